@@ -1,0 +1,7 @@
+"""caffempi: a Caffe-compatible, MPI data-parallel deep-learning trainer."""
+from .blob import Blob
+from .common import TEST, TRAIN, CaffeError, set_random_seed
+from .net import Net
+
+__version__ = "0.1.0"
+__all__ = ["Blob", "CaffeError", "Net", "TEST", "TRAIN", "set_random_seed"]

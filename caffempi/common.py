@@ -1,0 +1,74 @@
+"""Process-wide state shared by layers, nets and solvers: phases, the random
+generator (Caffe's Caffe::rng) and glog-style logging."""
+import logging
+import sys
+import threading
+import time
+
+import numpy as np
+
+TRAIN = 0
+TEST = 1
+PHASE_NAMES = {TRAIN: "TRAIN", TEST: "TEST"}
+
+
+class CaffeError(Exception):
+    """An error reported to the user as one line (no traceback unless --debug)."""
+
+
+# --------------------------------------------------------------------- random
+_rng = np.random.RandomState(1701)
+
+
+def set_random_seed(seed):
+    """Seed every random draw of this process (fillers, dropout, shuffles)."""
+    global _rng
+    _rng = np.random.RandomState(int(seed) % (2 ** 32))
+
+
+def rng():
+    return _rng
+
+
+def get_rng_state():
+    return _rng.get_state()
+
+
+def set_rng_state(state):
+    _rng.set_state(state)
+
+
+# -------------------------------------------------------------------- logging
+class GlogFormatter(logging.Formatter):
+    """Formats records as glog does, so Caffe's log parsers read our logs:
+    ``I1122 04:16:00.123456  1234 solver.py:123] message``."""
+
+    prefix = ""
+
+    def format(self, record):
+        t = time.localtime(record.created)
+        usec = int((record.created - int(record.created)) * 1e6)
+        level = record.levelname[0] if record.levelname != "CRITICAL" else "F"
+        head = "%s%02d%02d %02d:%02d:%02d.%06d %5d %s:%d] " % (
+            level, t.tm_mon, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec, usec,
+            threading.get_native_id(),
+            os.path.basename(record.pathname), record.lineno)
+        return head + self.prefix + record.getMessage()
+
+
+log = logging.getLogger("caffempi")
+_handler = None
+
+
+def init_logging(level=logging.INFO, prefix="", stream=None):
+    """Send caffempi's log to stderr (as glog does) in glog's format."""
+    global _handler
+    if _handler is not None:
+        log.removeHandler(_handler)
+    _handler = logging.StreamHandler(stream or sys.stderr)
+    fmt = GlogFormatter()
+    fmt.prefix = prefix
+    _handler.setFormatter(fmt)
+    log.addHandler(_handler)
+    log.setLevel(level)
+    log.propagate = False

@@ -1,0 +1,107 @@
+"""Layer base class and the registry of layer types (Caffe's layer factory)."""
+import numpy as np
+
+from ..blob import Blob
+from ..common import CaffeError, TRAIN
+
+LAYER_REGISTRY = {}
+
+
+def register(*type_names):
+    """Class decorator: register a layer class under its Caffe type name(s)."""
+    def deco(cls):
+        for name in type_names:
+            if name in LAYER_REGISTRY:
+                raise RuntimeError("layer type %s registered twice" % name)
+            LAYER_REGISTRY[name] = cls
+        cls.type = type_names[0]
+        return cls
+    return deco
+
+
+def create_layer(layer_param, phase=TRAIN, xp=np, dtype=np.float32):
+    cls = LAYER_REGISTRY.get(layer_param.type)
+    if cls is None:
+        raise CaffeError("layer '%s': unknown layer type '%s' (known types: %s)" % (
+            layer_param.name, layer_param.type, ", ".join(sorted(LAYER_REGISTRY))))
+    return cls(layer_param, phase, xp, dtype)
+
+
+class Layer:
+    """One Caffe layer.  Subclasses implement ``setup``, ``reshape``,
+    ``forward`` and ``backward`` over lists of :class:`Blob`.
+
+    Conventions (as in Caffe): ``backward`` overwrites the diffs of the bottoms
+    in ``propagate_down`` and *adds* to the diffs of its parameter blobs
+    (``self.blobs``), so gradients accumulate over iter_size and shared params.
+    Array code uses ``self.xp`` (NumPy or CuPy) and ``self.dtype``.
+    """
+
+    type = None
+    # bottom/top count checks (Caffe's ExactNumBottomBlobs etc.); None = any
+    exact_num_bottom = None
+    min_bottom = None
+    max_bottom = None
+    exact_num_top = None
+    min_top = None
+    max_top = None
+    # Loss layers weight their first top by 1 unless loss_weight says otherwise.
+    is_loss = False
+    # Parameter blobs that hold statistics, not weights (BatchNorm): the net
+    # gives them lr_mult 0 when the prototxt has no param spec, as Caffe does.
+    statistics_params = False
+    # (rank, size) of this process's share of the data; data layers read
+    # records i with i % size == rank.  Set by the net before setup.
+    data_shard = (0, 1)
+
+    def __init__(self, layer_param, phase=TRAIN, xp=np, dtype=np.float32):
+        self.param = layer_param
+        self.name = layer_param.name
+        self.phase = phase
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.blobs = []
+
+    # -------------------------------------------------------------- interface
+    def setup(self, bottom, top):
+        """One-time set-up: read parameters, create ``self.blobs``."""
+
+    def reshape(self, bottom, top):
+        raise NotImplementedError
+
+    def forward(self, bottom, top):
+        raise NotImplementedError
+
+    def backward(self, top, propagate_down, bottom):
+        """Default for layers without a gradient (data, accuracy, ...)."""
+        if any(propagate_down):
+            raise CaffeError("layer '%s' (%s) cannot backpropagate to its bottoms" % (self.name, self.type))
+
+    def allow_force_backward(self, bottom_index):
+        """False for bottoms that take no gradient (e.g. a loss's labels)."""
+        return True
+
+    # ----------------------------------------------------------------- helpers
+    def new_blob(self, shape):
+        return Blob(shape, self.xp, self.dtype)
+
+    def error(self, msg, *args):
+        return CaffeError(("layer '%s' (%s): " % (self.name, self.type)) + (msg % args if args else msg))
+
+    def check_blob_counts(self, bottom, top):
+        def check(kind, n, exact, lo, hi):
+            if exact is not None and n != exact:
+                raise self.error("takes %d %s blob(s), got %d", exact, kind, n)
+            if lo is not None and n < lo:
+                raise self.error("takes at least %d %s blob(s), got %d", lo, kind, n)
+            if hi is not None and n > hi:
+                raise self.error("takes at most %d %s blob(s), got %d", hi, kind, n)
+        check("bottom", len(bottom), self.exact_num_bottom, self.min_bottom, self.max_bottom)
+        check("top", len(top), self.exact_num_top, self.min_top, self.max_top)
+
+    def fill(self, filler_param, shape):
+        """A new parameter blob of ``shape`` filled by ``filler_param``."""
+        from ..filler import fill
+        blob = self.new_blob(shape)
+        blob.data = self.xp.asarray(fill(filler_param, shape, self.dtype))
+        return blob

@@ -1,0 +1,126 @@
+"""Normalization layers: BatchNorm (per-channel statistics over the batch)
+and MVN (per-sample mean/variance normalization)."""
+from ..common import TEST
+from .base import Layer, register
+
+
+def _normalize_backward(dy, y, axes):
+    """d/dx of y = (x - mean(x)) / s for a fixed s, times s, with the mean
+    over ``axes``, plus the term from the spread: dy - mean(dy) - mean(dy*y)*y."""
+    return dy - dy.mean(axis=axes, keepdims=True) - (dy * y).mean(axis=axes, keepdims=True) * y
+
+
+@register("BatchNorm")
+class BatchNormLayer(Layer):
+    """Caffe's BatchNorm (no scale/shift: pair it with a Scale layer).
+
+    blobs: [running mean sum (C,), running variance sum (C,), scale factor (1,)];
+    the mean and variance estimates are blobs[0]/blobs[2] and blobs[1]/blobs[2].
+    Caffe forces their lr_mult to 0; the net takes care of that.
+    """
+
+    exact_num_bottom = 1
+    exact_num_top = 1
+
+    def setup(self, bottom, top):
+        p = self.param.batch_norm_param
+        self.maf = float(p.moving_average_fraction)
+        self.use_global_stats = p.use_global_stats if p.HasField("use_global_stats") \
+            else self.phase == TEST
+        self.eps = float(p.eps)
+        self.channels = 1 if bottom[0].num_axes == 1 else bottom[0].shape[1]
+        if not self.blobs:
+            self.blobs = []
+            for shape in ((self.channels,), (self.channels,), (1,)):
+                blob = self.new_blob(shape)
+                blob.data = self.xp.zeros(shape, self.dtype)
+                self.blobs.append(blob)
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) > 1 and shape[1] != self.channels:
+            raise self.error("bottom %s has %d channels; the layer was set up for %d",
+                             shape, shape[1], self.channels)
+        if top[0] is not bottom[0]:
+            top[0].reshape(shape)
+
+    def _view(self, x):
+        """x as (N, C, spatial) so statistics reduce over axes 0 and 2."""
+        return x.reshape(x.shape[0] if x.ndim else 1, self.channels, -1)
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        x = self._view(bottom[0].data)
+        if self.use_global_stats:
+            factor = self.blobs[2].data
+            # A zero scale factor (no statistics yet) gives zero mean and variance.
+            inv = (factor != 0).astype(self.dtype) / xp.where(factor == 0, self.dtype.type(1), factor)
+            mean = self.blobs[0].data * inv
+            var = self.blobs[1].data * inv
+        else:
+            mean = x.mean(axis=(0, 2))
+            var = ((x - mean[None, :, None]) ** 2).mean(axis=(0, 2))
+            m = x.size // self.channels
+            correction = m / (m - 1.0) if m > 1 else 1.0
+            maf = self.maf
+            self.blobs[2].data = self.blobs[2].data * maf + 1
+            self.blobs[0].data = self.blobs[0].data * maf + mean
+            self.blobs[1].data = self.blobs[1].data * maf + correction * var
+        self._std = xp.sqrt(var + self.dtype.type(self.eps))[None, :, None]
+        y = (x - mean[None, :, None]) / self._std
+        # Backward needs y; keep a private copy since an in-place successor may
+        # overwrite top's data (as Caffe keeps x_norm_).
+        self._y = y
+        top[0].data = y.reshape(bottom[0].shape).copy()
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = self._view(top[0].diff)
+        if self.use_global_stats:
+            dx = dy / self._std
+        else:
+            dx = _normalize_backward(dy, self._y, (0, 2)) / self._std
+        bottom[0].diff = dx.reshape(bottom[0].shape)
+
+
+@register("MVN")
+class MVNLayer(Layer):
+    """Subtracts the mean of each sample's channel (or of each whole sample
+    with across_channels) and, with normalize_variance, divides by std + eps."""
+
+    exact_num_bottom = 1
+    exact_num_top = 1
+
+    def reshape(self, bottom, top):
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def _view(self, x):
+        """x as (groups, elements per group)."""
+        p = self.param.mvn_param
+        groups = x.shape[0] if p.across_channels or x.ndim < 2 else x.shape[0] * x.shape[1]
+        return x.reshape(groups, -1)
+
+    def forward(self, bottom, top):
+        xp = self.xp
+        p = self.param.mvn_param
+        x = self._view(bottom[0].data)
+        y = x - x.mean(axis=1, keepdims=True)
+        if p.normalize_variance:
+            # Caffe adds eps to the standard deviation, not to the variance.
+            self._std = xp.sqrt((y * y).mean(axis=1, keepdims=True)) + self.dtype.type(p.eps)
+            y = y / self._std
+            self._y = y
+        top[0].data = y.reshape(bottom[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = self._view(top[0].diff)
+        if self.param.mvn_param.normalize_variance:
+            # Caffe's formula (exact up to the eps in the denominator).
+            dx = _normalize_backward(dy, self._y, (1,)) / self._std
+        else:
+            dx = dy - dy.mean(axis=1, keepdims=True)
+        bottom[0].diff = dx.reshape(bottom[0].shape)

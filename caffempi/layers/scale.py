@@ -1,0 +1,173 @@
+"""Scale and Bias: multiply / add an operand (a parameter or a second bottom)
+that covers axes [axis, axis + operand.ndim) of bottom[0] and is broadcast
+over the others."""
+from .base import Layer, register
+
+
+def _param_shape(layer, shape, axis_param, num_axes):
+    """Shape of a learned operand: bottom axes [axis, axis+num_axes), -1 = to the end."""
+    ndim = len(shape)
+    if not -ndim <= axis_param < max(ndim, 1):
+        raise layer.error("axis %d out of range for bottom %s", axis_param, shape)
+    axis = axis_param % ndim if ndim else 0
+    if num_axes < -1:
+        raise layer.error("num_axes must be non-negative or -1, got %d", num_axes)
+    end = ndim if num_axes == -1 else axis + num_axes
+    if end > ndim:
+        raise layer.error("operand of %d axes starting at axis %d extends past bottom %s",
+                          num_axes, axis, shape)
+    return tuple(shape[axis:end])
+
+
+def _fill(layer, filler, shape):
+    """layer.fill that also gives 0-axis (scalar) parameters their () shape."""
+    if shape:
+        return layer.fill(filler, shape)
+    blob = layer.new_blob(())
+    blob.data = layer.fill(filler, (1,)).data.reshape(())
+    return blob
+
+
+def _broadcast_dims(layer, shape, operand_shape, axis_param):
+    """(outer, dim, inner) so that bottom reshaped to (outer, dim, inner)
+    meets the operand reshaped to (1, dim, 1)."""
+    ndim = len(shape)
+    if not operand_shape:
+        # A scalar broadcasts the same from any axis.
+        axis = 0
+    else:
+        if not -ndim <= axis_param < max(ndim, 1):
+            raise layer.error("axis %d out of range for bottom %s", axis_param, shape)
+        axis = axis_param % ndim
+    n = len(operand_shape)
+    if tuple(shape[axis:axis + n]) != tuple(operand_shape):
+        raise layer.error("operand shape %s does not match bottom %s at axes [%d, %d)",
+                          operand_shape, shape, axis, axis + n)
+    outer = 1
+    for d in shape[:axis]:
+        outer *= d
+    dim = 1
+    for d in operand_shape:
+        dim *= d
+    inner = 1
+    for d in shape[axis + n:]:
+        inner *= d
+    return outer, dim, inner
+
+
+def _reduce(a, dims):
+    """Sum an array of shape (outer*dim*inner) down to (dim,)."""
+    return a.reshape(dims).sum(axis=(0, 2))
+
+
+@register("Scale")
+class ScaleLayer(Layer):
+    """top = bottom[0] * scale (+ bias).  With one bottom the scale is
+    blobs[0] (default filler: constant 1) and an optional bias is blobs[1];
+    with two bottoms the scale is bottom[1] and the bias, if any, blobs[0]."""
+
+    min_bottom = 1
+    max_bottom = 2
+    exact_num_top = 1
+
+    def setup(self, bottom, top):
+        p = self.param.scale_param
+        shape = bottom[0].shape
+        if len(bottom) == 1 and not self.blobs:
+            sshape = _param_shape(self, shape, p.axis, p.num_axes)
+            if p.HasField("filler"):
+                blob = _fill(self, p.filler, sshape)
+            else:
+                blob = self.new_blob(sshape)
+                blob.data = self.xp.ones(sshape, self.dtype)
+            self.blobs = [blob]
+        self.bias_term = p.bias_term
+        self.bias_index = None
+        if self.bias_term:
+            # Caffe's internal Bias layer: same axis; num_axes of the scale.
+            self.bias_index = 1 if len(bottom) == 1 else 0
+            if len(self.blobs) <= self.bias_index:
+                if len(bottom) > 1:
+                    bshape = _param_shape(self, shape, p.axis, bottom[1].num_axes)
+                else:
+                    bshape = _param_shape(self, shape, p.axis, p.num_axes)
+                self.blobs.append(_fill(self, p.bias_filler, bshape))
+
+    def _scale(self, bottom):
+        return bottom[1] if len(bottom) > 1 else self.blobs[0]
+
+    def reshape(self, bottom, top):
+        axis = self.param.scale_param.axis
+        self.dims = _broadcast_dims(self, bottom[0].shape, self._scale(bottom).shape, axis)
+        if self.bias_term:
+            self.bias_dims = _broadcast_dims(self, bottom[0].shape,
+                                             self.blobs[self.bias_index].shape, axis)
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        x = bottom[0].data
+        # In place, keep the input for the scale's gradient.
+        self._x = x.copy() if top[0] is bottom[0] else None
+        outer, dim, inner = self.dims
+        y = x.reshape(self.dims) * self._scale(bottom).data.reshape(1, dim, 1)
+        if self.bias_term:
+            y += self.blobs[self.bias_index].data.reshape(1, self.bias_dims[1], 1)
+        top[0].data = y.reshape(bottom[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff
+        x = self._x if self._x is not None else bottom[0].data
+        scale = self._scale(bottom)
+        if self.bias_term:
+            self.blobs[self.bias_index].diff += _reduce(dy, self.bias_dims).reshape(
+                self.blobs[self.bias_index].shape)
+        if len(bottom) == 1 or propagate_down[1]:
+            dscale = _reduce(dy * x, self.dims).reshape(scale.shape)
+            if len(bottom) == 1:
+                scale.diff += dscale
+            else:
+                scale.diff = dscale
+        if propagate_down[0]:
+            dim = self.dims[1]
+            bottom[0].diff = (dy.reshape(self.dims) * scale.data.reshape(1, dim, 1)).reshape(
+                bottom[0].shape)
+
+
+@register("Bias")
+class BiasLayer(Layer):
+    """top = bottom[0] + bias, the bias being blobs[0] (default filler:
+    constant 0) or bottom[1]."""
+
+    min_bottom = 1
+    max_bottom = 2
+    exact_num_top = 1
+
+    def setup(self, bottom, top):
+        p = self.param.bias_param
+        if len(bottom) == 1 and not self.blobs:
+            self.blobs = [_fill(self, p.filler, _param_shape(self, bottom[0].shape, p.axis,
+                                                           p.num_axes))]
+
+    def _bias(self, bottom):
+        return bottom[1] if len(bottom) > 1 else self.blobs[0]
+
+    def reshape(self, bottom, top):
+        self.dims = _broadcast_dims(self, bottom[0].shape, self._bias(bottom).shape,
+                                    self.param.bias_param.axis)
+        if top[0] is not bottom[0]:
+            top[0].reshape(bottom[0].shape)
+
+    def forward(self, bottom, top):
+        y = bottom[0].data.reshape(self.dims) + self._bias(bottom).data.reshape(1, self.dims[1], 1)
+        top[0].data = y.reshape(bottom[0].shape)
+
+    def backward(self, top, propagate_down, bottom):
+        dy = top[0].diff
+        bias = self._bias(bottom)
+        if len(bottom) == 1:
+            bias.diff += _reduce(dy, self.dims).reshape(bias.shape)
+        elif propagate_down[1]:
+            bias.diff = _reduce(dy, self.dims).reshape(bias.shape)
+        if propagate_down[0] and top[0] is not bottom[0]:
+            bottom[0].diff = dy.copy()

@@ -1,0 +1,520 @@
+"""Net: a Caffe NetParameter turned into layers and blobs that run forward and
+backward (Caffe's Net::Init, with pycaffe-like access)."""
+from collections import OrderedDict
+import numpy as np
+
+from . import layers as _layers  # noqa: F401  (registers every layer type)
+from .blob import Blob
+from .common import CaffeError, TRAIN, TEST, PHASE_NAMES, log
+from .io import proto_io
+from .layers.base import create_layer
+from .proto import caffe_pb2
+
+
+# ------------------------------------------------------------ state filtering
+def state_meets_rule(state, rule):
+    if rule.HasField("phase") and rule.phase != state.phase:
+        return False
+    if rule.HasField("min_level") and state.level < rule.min_level:
+        return False
+    if rule.HasField("max_level") and state.level > rule.max_level:
+        return False
+    stages = set(state.stage)
+    if any(s not in stages for s in rule.stage):
+        return False
+    if any(s in stages for s in rule.not_stage):
+        return False
+    return True
+
+
+def filter_net(net_param):
+    """Keep the layers whose include/exclude rules match the net's state."""
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(net_param)
+    del out.layer[:]
+    for lp in net_param.layer:
+        if lp.include and lp.exclude:
+            raise CaffeError("layer '%s' specifies both include and exclude rules" % lp.name)
+        included = not lp.include
+        if any(state_meets_rule(net_param.state, r) for r in lp.exclude):
+            included = False
+        if any(state_meets_rule(net_param.state, r) for r in lp.include):
+            included = True
+        if included:
+            out.layer.add().CopyFrom(lp)
+    return out
+
+
+def insert_splits(net_param):
+    """Insert a Split layer wherever one top feeds several bottoms (Caffe's
+    InsertSplits, same blob and layer names)."""
+    producer = {}          # blob name -> (layer index, top index) of its last writer
+    consumers = {}         # (layer index, top index) -> number of bottoms reading it
+    for i, lp in enumerate(net_param.layer):
+        for name in lp.bottom:
+            if name not in producer:
+                raise CaffeError("layer '%s': unknown bottom blob '%s' (no earlier layer produces it)"
+                                 % (lp.name, name))
+            key = producer[name]
+            consumers[key] = consumers.get(key, 0) + 1
+        for j, name in enumerate(lp.top):
+            producer[name] = (i, j)
+
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(net_param)
+    del out.layer[:]
+    producer = {}
+    next_split = {}        # (layer, top) -> next split output index to hand out
+    for i, lp in enumerate(net_param.layer):
+        new = out.layer.add()
+        new.CopyFrom(lp)
+        for b, name in enumerate(lp.bottom):
+            key = producer[name]
+            if consumers.get(key, 0) > 1:
+                k = next_split[key]
+                next_split[key] = k + 1
+                src = net_param.layer[key[0]]
+                new.bottom[b] = split_top_name(name, src.name, key[1], k)
+        for j, name in enumerate(lp.top):
+            producer[name] = (i, j)
+            n = consumers.get((i, j), 0)
+            if n > 1:
+                split = out.layer.add()
+                split.name = "%s_%s_%d_split" % (lp.name, name, j)
+                split.type = "Split"
+                split.bottom.append(name)
+                for k in range(n):
+                    split.top.append(split_top_name(name, lp.name, j, k))
+                next_split[(i, j)] = 0
+    return out
+
+
+def split_top_name(blob, layer, top_index, k):
+    return "%s_%s_%d_split_%d" % (blob, layer, top_index, k)
+
+
+class Net:
+    """A network of layers built from a NetParameter for one phase and state.
+
+    Access as in pycaffe: ``net.blobs[name].data``, ``net.params[layer][i]``,
+    ``net.forward()``, ``net.backward()``.  All learnable parameters live in
+    two flat buffers (``param_data``, ``param_diff``) in layer order, so the
+    gradients of consecutive layers are contiguous ranges for the allreduce.
+    """
+
+    def __init__(self, net, phase=TRAIN, level=0, stages=(), weights=None,
+                 xp=np, dtype=np.float32, source_name=None, data_shard=(0, 1)):
+        if isinstance(net, caffe_pb2.NetParameter):
+            param = caffe_pb2.NetParameter()
+            param.CopyFrom(net)
+            proto_io.upgrade_net_param(param, source_name or "<NetParameter>")
+        else:
+            source_name = str(net)
+            param = proto_io.read_net_param(net)
+        self.source_name = source_name
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+        self.phase = phase
+        param.state.phase = phase
+        param.state.level = level
+        param.state.stage.extend(s for s in stages if s not in param.state.stage)
+        self.name = param.name
+        self.data_shard = tuple(data_shard)
+        self.net_param = insert_splits(filter_net(param))
+        self._backward_hooks = []
+        self._init_layers()
+        self._init_params()
+        self._init_backward()
+        if weights:
+            for w in str(weights).split(","):
+                self.copy_from(w)
+
+    # ------------------------------------------------------------------ build
+    def _init_layers(self):
+        self.layers = []
+        self.layer_names = []
+        self.blobs = OrderedDict()
+        self.bottom_vecs, self.top_vecs = [], []
+        self.bottom_names, self.top_names = [], []
+        self.loss_weights = []          # per layer: list of (top index, weight)
+        available = set()               # blobs produced and not yet consumed
+        for lp in self.net_param.layer:
+            if lp.name in self.layer_names:
+                raise CaffeError("duplicate layer name '%s'" % lp.name)
+            layer = create_layer(lp, self.phase, self.xp, self.dtype)
+            layer.data_shard = self.data_shard
+            bottoms = []
+            for name in lp.bottom:
+                if name not in self.blobs:
+                    raise CaffeError("layer '%s': unknown bottom blob '%s' (no earlier layer produces it)"
+                                     % (lp.name, name))
+                bottoms.append(self.blobs[name])
+                available.discard(name)
+            tops = []
+            for j, name in enumerate(lp.top):
+                if name in self.blobs and not (j < len(lp.bottom) and lp.bottom[j] == name) \
+                        and name not in lp.bottom:
+                    raise CaffeError("layer '%s': top blob '%s' produced by multiple sources"
+                                     % (lp.name, name))
+                if name not in self.blobs:
+                    self.blobs[name] = Blob((), self.xp, self.dtype)
+                tops.append(self.blobs[name])
+                available.add(name)
+            layer.check_blob_counts(bottoms, tops)
+            layer.setup(bottoms, tops)
+            try:
+                layer.reshape(bottoms, tops)
+            except CaffeError:
+                raise
+            except (ValueError, IndexError) as e:
+                raise CaffeError("layer '%s' (%s): %s (bottom shapes %s)" % (
+                    lp.name, lp.type, e, [b.shape for b in bottoms]))
+            weights = []
+            if len(lp.loss_weight) > len(tops):
+                raise CaffeError("layer '%s': %d loss_weight values for %d tops"
+                                 % (lp.name, len(lp.loss_weight), len(tops)))
+            for j in range(len(tops)):
+                if j < len(lp.loss_weight):
+                    w = lp.loss_weight[j]
+                else:
+                    w = 1.0 if (layer.is_loss and j == 0) else 0.0
+                if w:
+                    weights.append((j, w))
+            self.layers.append(layer)
+            self.layer_names.append(lp.name)
+            self.bottom_vecs.append(bottoms)
+            self.top_vecs.append(tops)
+            self.bottom_names.append(list(lp.bottom))
+            self.top_names.append(list(lp.top))
+            self.loss_weights.append(weights)
+            log.debug("Setting up %s", lp.name)
+            for name, blob in zip(lp.top, tops):
+                log.debug("Top shape: %s %s (%d)", name, " ".join(map(str, blob.shape)), blob.count)
+        self.outputs = [n for n in self.blobs if n in available]
+        self.inputs = [self.top_names[i][j] for i, l in enumerate(self.layers) if l.type == "Input"
+                       for j in range(len(self.top_names[i]))]
+        self._layer_by_name = {n: l for n, l in zip(self.layer_names, self.layers)}
+
+    def _init_params(self):
+        """Resolve shared params, collect learnable ones and move them into the
+        flat buffers; record lr_mult/decay_mult per learnable param."""
+        self.params = OrderedDict()
+        self.learnable_params = []       # owner blobs, in layer order
+        self.param_lr_mults = []
+        self.param_decay_mults = []
+        self.param_layer_index = []      # layer index owning each learnable param
+        self.param_owner_names = []      # "layer[i]" display names
+        owners = {}                      # param name -> (blob, owner description)
+        self.layer_param_need_backward = []
+        for li, (layer, lp) in enumerate(zip(self.layers, self.net_param.layer)):
+            if len(lp.param) > len(layer.blobs):
+                raise CaffeError("layer '%s' declares %d param specs but has %d parameter blobs"
+                                 % (lp.name, len(lp.param), len(layer.blobs)))
+            need = []
+            for pi, blob in enumerate(layer.blobs):
+                if pi < len(lp.param):
+                    spec = lp.param[pi]
+                elif layer.statistics_params:
+                    spec = caffe_pb2.ParamSpec(lr_mult=0, decay_mult=0)
+                else:
+                    spec = caffe_pb2.ParamSpec()
+                need.append(spec.lr_mult != 0)
+                if spec.name and spec.name in owners:
+                    owner, owner_desc, owner_mode = owners[spec.name]
+                    if spec.share_mode == caffe_pb2.ParamSpec.PERMISSIVE or owner_mode == caffe_pb2.ParamSpec.PERMISSIVE:
+                        ok = owner.count == blob.count
+                    else:
+                        ok = owner.shape == blob.shape
+                    if not ok:
+                        raise CaffeError("cannot share param '%s': %s has shape %s, layer '%s' param %d has shape %s"
+                                         % (spec.name, owner_desc, owner.shape, lp.name, pi, blob.shape))
+                    layer.blobs[pi] = owner
+                    continue
+                if spec.name:
+                    owners[spec.name] = (blob, "layer '%s' param %d" % (lp.name, pi), spec.share_mode)
+                self.learnable_params.append(blob)
+                self.param_lr_mults.append(spec.lr_mult)
+                self.param_decay_mults.append(spec.decay_mult)
+                self.param_layer_index.append(li)
+                self.param_owner_names.append("%s[%d]" % (lp.name, pi))
+            self.layer_param_need_backward.append(need)
+            if layer.blobs:
+                self.params[lp.name] = layer.blobs
+        total = sum(b.count for b in self.learnable_params)
+        self.param_data = self.xp.zeros(total, self.dtype)
+        self.param_diff = self.xp.zeros(total, self.dtype)
+        self.param_offsets = []
+        off = 0
+        for blob in self.learnable_params:
+            n = blob.count
+            blob.bind(self.param_data[off:off + n], self.param_diff[off:off + n])
+            self.param_offsets.append(off)
+            off += n
+
+    def _init_backward(self):
+        """Which layers and bottoms need backward (Caffe's Net::Init logic)."""
+        nl = len(self.layers)
+        blob_need = {}
+        self.layer_need_backward = [False] * nl
+        self.bottom_need_backward = []
+        for i, lp in enumerate(self.net_param.layer):
+            need = any(blob_need.get(n, False) for n in lp.bottom)
+            bneed = []
+            for j, n in enumerate(lp.bottom):
+                b = blob_need.get(n, False)
+                if len(lp.propagate_down):
+                    if len(lp.propagate_down) != len(lp.bottom):
+                        raise CaffeError("layer '%s': propagate_down must be given for every bottom" % lp.name)
+                    b = lp.propagate_down[j]
+                bneed.append(b)
+            need = need or any(self.layer_param_need_backward[i])
+            self.layer_need_backward[i] = need
+            self.bottom_need_backward.append(bneed)
+            for n in lp.top:
+                blob_need[n] = need
+        under_loss, skip_backp = set(), set()
+        for i in range(nl - 1, -1, -1):
+            lp = self.net_param.layer[i]
+            contributes, skip_prop = False, True
+            loss_tops = {j for j, _ in self.loss_weights[i]}
+            for j, n in enumerate(lp.top):
+                if j in loss_tops or n in under_loss:
+                    contributes = True
+                if n not in skip_backp:
+                    skip_prop = False
+                if contributes and not skip_prop:
+                    break
+            if self.layer_need_backward[i] and skip_prop:
+                self.layer_need_backward[i] = False
+                self.bottom_need_backward[i] = [False] * len(lp.bottom)
+            if not contributes:
+                self.layer_need_backward[i] = False
+            for j, n in enumerate(lp.bottom):
+                if contributes:
+                    under_loss.add(n)
+                else:
+                    self.bottom_need_backward[i][j] = False
+                if not self.bottom_need_backward[i][j]:
+                    skip_backp.add(n)
+        if self.net_param.force_backward:
+            for i, layer in enumerate(self.layers):
+                self.layer_need_backward[i] = True
+                self.bottom_need_backward[i] = [
+                    b or layer.allow_force_backward(j) for j, b in enumerate(self.bottom_need_backward[i])]
+
+    # ---------------------------------------------------------------- running
+    def forward_range(self, start=0, end=None):
+        """Forward layers start..end (inclusive); returns the weighted loss."""
+        end = len(self.layers) - 1 if end is None else end
+        loss = 0.0
+        for i in range(start, end + 1):
+            layer = self.layers[i]
+            layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
+            layer.forward(self.bottom_vecs[i], self.top_vecs[i])
+            for j, w in self.loss_weights[i]:
+                loss += w * float(self.top_vecs[i][j].data.sum())
+        return loss
+
+    def backward_range(self, start=None, end=0):
+        """Backward layers start..end (start >= end), calling the hooks after each."""
+        start = len(self.layers) - 1 if start is None else start
+        for i in range(start, end - 1, -1):
+            if self.layer_need_backward[i]:
+                tops = self.top_vecs[i]
+                for j, w in self.loss_weights[i]:
+                    tops[j].diff = self.xp.full(tops[j].shape, w, self.dtype)
+                self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
+            for hook in self._backward_hooks:
+                hook(i)
+
+    def forward(self, blobs=None, start=None, end=None, **kwargs):
+        """pycaffe's forward: set inputs from kwargs, run, return the outputs."""
+        for name, value in kwargs.items():
+            self.blobs[name].reshape(value.shape)
+            self.blobs[name].data[...] = self.xp.asarray(value)
+        s = 0 if start is None else self.layer_names.index(start)
+        e = len(self.layers) - 1 if end is None else self.layer_names.index(end)
+        self.last_loss = self.forward_range(s, e)
+        names = set(self.outputs if end is None else self.top_names[e]) | set(blobs or ())
+        return {n: self.blobs[n].data for n in self.blobs if n in names}
+
+    def backward(self, diffs=None, start=None, end=None, **kwargs):
+        """pycaffe's backward: optional top diffs as kwargs; returns input diffs."""
+        for name, value in kwargs.items():
+            self.blobs[name].diff = self.xp.asarray(value, self.dtype)
+        s = len(self.layers) - 1 if start is None else self.layer_names.index(start)
+        e = 0 if end is None else self.layer_names.index(end)
+        self.backward_range(s, e)
+        names = set(self.inputs) | set(diffs or ())
+        return {n: self.blobs[n].diff for n in self.blobs if n in names}
+
+    def forward_backward(self):
+        """One training pass; returns the loss.  Param diffs accumulate."""
+        loss = self.forward_range()
+        self.backward_range()
+        return loss
+
+    def clear_param_diffs(self):
+        self.param_diff[...] = 0
+
+    def add_backward_hook(self, fn):
+        """``fn(layer_index)`` runs after each layer's backward (for the reducer)."""
+        self._backward_hooks.append(fn)
+
+    def remove_backward_hook(self, fn):
+        self._backward_hooks.remove(fn)
+
+    # ------------------------------------------------------ data layer state
+    # Data layers may define get_state()/set_state(state) (their position in
+    # the data and their random state, JSON-serialisable) and a float
+    # attribute wait_seconds (time forward spent waiting for a batch).
+    def data_state(self):
+        return {n: l.get_state() for n, l in zip(self.layer_names, self.layers) if hasattr(l, "get_state")}
+
+    def set_data_state(self, state):
+        for name, st in state.items():
+            if name in self._layer_by_name and hasattr(self._layer_by_name[name], "set_state"):
+                self._layer_by_name[name].set_state(st)
+
+    def data_wait_seconds(self):
+        return sum(getattr(l, "wait_seconds", 0.0) for l in self.layers)
+
+    def layer(self, name):
+        return self._layer_by_name[name]
+
+    def output_values(self):
+        """(blob name, values, loss weight) for every output, as Caffe logs them."""
+        out = []
+        for name in self.outputs:
+            i, j = self._producer(name)
+            w = dict(self.loss_weights[i]).get(j, 0.0)
+            out.append((name, self.blobs[name].data, w))
+        return out
+
+    def _producer(self, name):
+        for i in range(len(self.layers) - 1, -1, -1):
+            if name in self.top_names[i]:
+                return i, self.top_names[i].index(name)
+        raise KeyError(name)
+
+    def first_nonfinite_layer(self):
+        """Name of the first layer with a non-finite top value, or None."""
+        xp = self.xp
+        for i, tops in enumerate(self.top_vecs):
+            for t in tops:
+                if t.count and not bool(xp.isfinite(t.data).all()):
+                    return self.layer_names[i]
+        return None
+
+    # ------------------------------------------------------------ weights I/O
+    def copy_from(self, path_or_param):
+        """Copy parameters by layer name from a .caffemodel (binary or text) or
+        a NetParameter, as Caffe's CopyTrainedLayersFrom."""
+        if isinstance(path_or_param, caffe_pb2.NetParameter):
+            src, where = path_or_param, "<NetParameter>"
+        else:
+            where = str(path_or_param)
+            if where.endswith(".h5") or where.endswith(".hdf5"):
+                return self._copy_from_hdf5(where)
+            src = proto_io.read_net_param(where)
+        for lp in src.layer:
+            if lp.name not in self._layer_by_name or not lp.blobs:
+                continue
+            target = self._layer_by_name[lp.name].blobs
+            if len(target) != len(lp.blobs):
+                raise CaffeError("%s: layer '%s' has %d parameter blobs, the net expects %d"
+                                 % (where, lp.name, len(lp.blobs), len(target)))
+            for k, bp in enumerate(lp.blobs):
+                arr = proto_io.blob_proto_to_array(bp)
+                blob = target[k]
+                arr = self._fit_shape(arr, bp, blob.shape, where, lp.name, k)
+                blob.data = self.xp.asarray(arr, self.dtype)
+
+    @staticmethod
+    def _fit_shape(arr, bp, shape, where, layer_name, k):
+        if arr.shape == tuple(shape):
+            return arr
+        if proto_io.legacy_shape_matches(bp, shape):
+            return arr.reshape(shape)
+        raise CaffeError("%s: cannot copy param %d of layer '%s': source shape %s, target shape %s"
+                         % (where, k, layer_name, arr.shape, tuple(shape)))
+
+    def _copy_from_hdf5(self, path):
+        import h5py
+        with h5py.File(path, "r") as f:
+            group = f["data"]
+            for name in group:
+                if name not in self._layer_by_name:
+                    continue
+                target = self._layer_by_name[name].blobs
+                for k in range(len(group[name])):
+                    arr = np.asarray(group[name][str(k)])
+                    if arr.shape != target[k].shape:
+                        raise CaffeError("%s: cannot copy param %d of layer '%s': source shape %s, target shape %s"
+                                         % (path, k, name, arr.shape, target[k].shape))
+                    target[k].data = self.xp.asarray(arr, self.dtype)
+
+    def to_proto(self, write_diff=False):
+        """NetParameter with every layer and its parameter blobs (a .caffemodel)."""
+        from .backend import to_numpy
+        out = caffe_pb2.NetParameter()
+        out.name = self.name
+        for layer, lp in zip(self.layers, self.net_param.layer):
+            new = out.layer.add()
+            new.CopyFrom(lp)
+            del new.blobs[:]
+            for blob in layer.blobs:
+                proto_io.array_to_blob_proto(to_numpy(blob.data), new.blobs.add(),
+                                             diff=to_numpy(blob.diff) if write_diff else None)
+        return out
+
+    def save(self, path, write_diff=False):
+        """Write a binary .caffemodel (atomically)."""
+        proto_io.write_binary_proto_atomic(path, self.to_proto(write_diff))
+
+    def save_hdf5(self, path, write_diff=False):
+        """Write weights in Caffe's HDF5 layout (data/<layer>/<i>)."""
+        import h5py
+        import os
+        from .backend import to_numpy
+        tmp = path + ".tmp"
+        with h5py.File(tmp, "w") as f:
+            groups = [("data", "data")] + ([("diff", "diff")] if write_diff else [])
+            for gname, attr in groups:
+                g = f.create_group(gname)
+                for name, layer in zip(self.layer_names, self.layers):
+                    if layer.blobs:
+                        lg = g.create_group(name)
+                        for k, blob in enumerate(layer.blobs):
+                            lg.create_dataset(str(k), data=to_numpy(getattr(blob, attr)))
+        os.replace(tmp, path)
+
+    def share_weights(self, other):
+        """Make this net's same-named layers use ``other``'s parameter blobs
+        (a test net sharing the train net's weights, as Caffe's ShareTrainedLayersWith)."""
+        for name, layer in zip(self.layer_names, self.layers):
+            if name in other._layer_by_name and layer.blobs:
+                src = other._layer_by_name[name].blobs
+                if len(src) != len(layer.blobs):
+                    raise CaffeError("layer '%s': %d parameter blobs in the train net, %d in the test net"
+                                     % (name, len(src), len(layer.blobs)))
+                for k, blob in enumerate(src):
+                    if blob.shape != layer.blobs[k].shape:
+                        raise CaffeError("layer '%s' param %d: train net shape %s, test net shape %s"
+                                         % (name, k, blob.shape, layer.blobs[k].shape))
+                    layer.blobs[k] = blob
+                if name in self.params:
+                    self.params[name] = layer.blobs
+
+    def memory_summary(self):
+        act = sum(b.count for b in self.blobs.values()) * self.dtype.itemsize
+        par = self.param_data.size * self.dtype.itemsize
+        return {"activation_bytes": act, "param_bytes": par}
+
+
+def phase_from_name(name):
+    try:
+        return {"TRAIN": TRAIN, "TEST": TEST}[name.upper()]
+    except KeyError:
+        raise CaffeError("unknown phase '%s' (TRAIN or TEST)" % name)
+

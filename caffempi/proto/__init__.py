@@ -1,0 +1,3 @@
+from . import caffe_pb2
+
+__all__ = ["caffe_pb2"]

@@ -1,0 +1,161 @@
+"""`caffempi time`: Caffe's layer-by-layer benchmark of forward and backward."""
+import os
+import time
+
+import numpy as np
+
+from .common import CaffeError, TRAIN, log
+from .io import proto_io
+from .net import Net, phase_from_name
+from .proto import caffe_pb2
+
+# Layers that read their data from files; `time` can stand in for them.
+FILE_DATA_TYPES = ("Data", "ImageData", "HDF5Data", "WindowData")
+
+
+def _source_readable(lp):
+    p = {"Data": lp.data_param, "ImageData": lp.image_data_param,
+         "HDF5Data": lp.hdf5_data_param, "WindowData": lp.window_data_param}[lp.type]
+    return bool(p.source) and os.path.exists(p.source)
+
+
+def _batch_size(lp):
+    p = {"Data": lp.data_param, "ImageData": lp.image_data_param,
+         "HDF5Data": lp.hdf5_data_param, "WindowData": lp.window_data_param}[lp.type]
+    return p.batch_size
+
+
+def _image_shape(lp, data_shape):
+    """(C, H, W) a file data layer would produce, from what the prototxt says."""
+    tp = lp.transform_param
+    if data_shape:
+        return tuple(data_shape)
+    if tp.mean_file and os.path.exists(tp.mean_file):
+        mean = proto_io.blob_proto_to_array(proto_io.read_binary_proto(tp.mean_file, caffe_pb2.BlobProto))
+        c, h, w = mean.shape[-3:]
+        return (c, tp.crop_size or h, tp.crop_size or w)
+    if tp.crop_size:
+        channels = 1 if tp.force_gray else 3
+        return (channels, tp.crop_size, tp.crop_size)
+    if lp.type == "ImageData" and lp.image_data_param.new_height:
+        ip = lp.image_data_param
+        return (3 if ip.is_color else 1, ip.new_height, ip.new_width)
+    raise CaffeError("layer '%s': cannot read '%s' and the prototxt does not say the image size; "
+                     "pass --data_shape=C,H,W" % (lp.name, lp.data_param.source or lp.image_data_param.source))
+
+
+def substitute_data_layers(net_param, data_shape=None, only_unreadable=True, warn=True):
+    """Replace file-reading data layers by DummyData of the same top shapes
+    (random images, labels 0), so any train_val net can be built and timed."""
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(net_param)
+    for lp in out.layer:
+        if lp.type not in FILE_DATA_TYPES or (only_unreadable and _source_readable(lp)):
+            continue
+        n = _batch_size(lp)
+        shapes = [(n,) + _image_shape(lp, data_shape)] + [(n,)] * (len(lp.top) - 1)
+        if warn:
+            log.warning("layer '%s': data source unreadable, timing with random input of shape %s",
+                        lp.name, " ".join(map(str, shapes[0])))
+        keep = caffe_pb2.LayerParameter(name=lp.name, type="DummyData")
+        keep.top.extend(lp.top)
+        keep.include.extend(lp.include)
+        keep.exclude.extend(lp.exclude)
+        dp = keep.dummy_data_param
+        for i, shape in enumerate(shapes):
+            dp.shape.add().dim.extend(shape)
+            f = dp.data_filler.add()
+            if i == 0:
+                f.type, f.std = "gaussian", 1.0
+            else:
+                f.type, f.value = "constant", 0
+        lp.CopyFrom(keep)
+    return out
+
+
+def time_net(net, iterations=50, report=log.info):
+    """Run Caffe's benchmark on a built net; returns a dict of averages (ms)."""
+    n = len(net.layers)
+    report("Performing Forward")
+    loss = net.forward_range()
+    report("Initial loss: %g", loss)
+    report("Performing Backward")
+    net.backward_range()
+    fwd = np.zeros(n)
+    bwd = np.zeros(n)
+    fwd_total = bwd_total = 0.0
+    report("*** Benchmark begins ***")
+    report("Testing for %d iterations.", iterations)
+    t_all = time.perf_counter()
+    for it in range(iterations):
+        t_iter = time.perf_counter()
+        for i in range(n):
+            t = time.perf_counter()
+            net.forward_range(i, i)
+            fwd[i] += time.perf_counter() - t
+        t_f = time.perf_counter()
+        fwd_total += t_f - t_iter
+        for i in range(n - 1, -1, -1):
+            t = time.perf_counter()
+            net.backward_range(i, i)
+            bwd[i] += time.perf_counter() - t
+        bwd_total += time.perf_counter() - t_f
+        report("Iteration: %d forward-backward time: %.6g ms.", it + 1, (time.perf_counter() - t_iter) * 1e3)
+    total = time.perf_counter() - t_all
+    report("Average time per layer: ")
+    width = max(len(name) for name in net.layer_names)
+    for i, name in enumerate(net.layer_names):
+        report("%*s\tforward: %.6g ms.", width, name, fwd[i] / iterations * 1e3)
+        report("%*s\tbackward: %.6g ms.", width, name, bwd[i] / iterations * 1e3)
+    result = {"forward_ms": fwd_total / iterations * 1e3, "backward_ms": bwd_total / iterations * 1e3,
+              "layers": {name: (fwd[i] / iterations * 1e3, bwd[i] / iterations * 1e3)
+                         for i, name in enumerate(net.layer_names)}}
+    result["forward_backward_ms"] = result["forward_ms"] + result["backward_ms"]
+    report("Average Forward pass: %.6g ms.", result["forward_ms"])
+    report("Average Backward pass: %.6g ms.", result["backward_ms"])
+    report("Average Forward-Backward: %.6g ms.", total / iterations * 1e3)
+    report("Total Time: %.6g ms.", total * 1e3)
+    mem = net.memory_summary()
+    for key, value in mem.items():
+        report("Memory: %s = %d", key, value)
+    report("*** Benchmark ends ***")
+    return result
+
+
+def _parse_shape(text):
+    if not text:
+        return None
+    try:
+        return tuple(int(v) for v in str(text).split(","))
+    except ValueError:
+        raise CaffeError("--data_shape must be C,H,W (got '%s')" % text)
+
+
+def time_command(flags):
+    """Entry point for `caffempi time` (flags: model, iterations, phase,
+    stage, level, weights, data_shape)."""
+    model = getattr(flags, "model", None)
+    if not model:
+        raise CaffeError("time needs --model=NET.prototxt")
+    phase_name = getattr(flags, "phase", None)
+    phase = phase_from_name(phase_name) if phase_name else TRAIN
+    stages = [s for s in (getattr(flags, "stage", None) or "").split(",") if s]
+    param = proto_io.read_net_param(model)
+    param = substitute_data_layers(param, _parse_shape(getattr(flags, "data_shape", None)))
+    xp = np
+    if getattr(flags, "gpu", None) not in (None, "", -1):
+        from .backend import cupy_or_none
+        xp = cupy_or_none()
+        if xp is None:
+            raise CaffeError("--gpu needs CuPy and a CUDA device; CuPy is not installed")
+    net = Net(param, phase=phase, level=int(getattr(flags, "level", 0) or 0), stages=stages,
+              weights=getattr(flags, "weights", None) or None, xp=xp, source_name=model)
+    iterations = int(getattr(flags, "iterations", None) or 50)
+    time_net(net, iterations)
+    return 0
+
+
+def device_query_command(flags):
+    """Entry point for `caffempi device_query`."""
+    raise CaffeError("device_query: GPU support is not built yet (CuPy backend pending); "
+                     "caffempi runs on the CPU")

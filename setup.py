@@ -1,0 +1,28 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="caffempi",
+    version="0.1.0",
+    description="Caffe-compatible, MPI data-parallel deep-learning trainer on NumPy and CuPy",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.11",
+    packages=find_packages(include=["caffempi", "caffempi.*"]),
+    install_requires=[
+        "numpy>=1.26",
+        "protobuf>=7.35.1",
+        "lmdb>=1.4",
+        "h5py>=3.8",
+        "pillow>=10",
+        "tqdm>=4.60",
+        "matplotlib>=3.7",
+        "mpi4py>=4.0",
+    ],
+    extras_require={
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "scipy>=1.11"],
+        "mpich": ["mpich>=4.2"],
+        "gpu": ["cupy-cuda12x>=13"],
+        "proto": ["grpcio-tools>=1.60"],
+    },
+    entry_points={"console_scripts": ["caffempi = caffempi.cli:main"]},
+)
