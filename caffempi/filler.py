@@ -59,4 +59,4 @@ def fill(filler, shape, dtype=np.float32):
         out = np.broadcast_to(kernel, shape).copy()
     else:
         raise CaffeError("unknown filler type '%s'" % kind)
-    return np.ascontiguousarray(out, dtype=dtype)
+    return np.array(out, dtype=dtype, order="C")

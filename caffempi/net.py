@@ -214,6 +214,9 @@ class Net:
             for pi, blob in enumerate(layer.blobs):
                 if pi < len(lp.param):
                     spec = lp.param[pi]
+                    if layer.statistics_params and spec.lr_mult != 0:
+                        raise CaffeError("layer '%s': cannot configure %s statistics as learnable parameters "
+                                         "(param %d has lr_mult %g)" % (lp.name, lp.type, pi, spec.lr_mult))
                 elif layer.statistics_params:
                     spec = caffe_pb2.ParamSpec(lr_mult=0, decay_mult=0)
                 else:

@@ -17,6 +17,7 @@ import numpy as np
 from google.protobuf import message as _pb_message
 from google.protobuf import text_format
 
+from ..common import CaffeError
 from ..proto import caffe_pb2
 
 __all__ = [
@@ -35,7 +36,7 @@ __all__ = [
 ]
 
 
-class ProtoError(Exception):
+class ProtoError(CaffeError):
     """A Caffe protobuf file could not be read, parsed, upgraded or written."""
 
 

@@ -40,10 +40,11 @@ class InnerProductLayer(Layer):
         self.axis = _canonical_axis(self, self.param.inner_product_param.axis, len(shape))
         k = bottom[0].count_range(self.axis)
         wshape = self.blobs[0].shape
-        expected = wshape[0] if self.transpose else wshape[1]
-        if k != expected:
-            raise self.error("input size %d (bottom %s flattened from axis %d) does not match "
-                             "weight shape %s", k, shape, self.axis, wshape)
+        expected = (k, self.num_output) if self.transpose else (self.num_output, k)
+        if wshape != expected:
+            raise self.error("input size %d (bottom %s flattened from axis %d) and num_output %d "
+                             "need weight shape %s, have %s",
+                             k, shape, self.axis, self.num_output, expected, wshape)
         self.M = bottom[0].count_range(0, self.axis)
         self.K = k
         top[0].reshape(shape[:self.axis] + (self.num_output,))

@@ -97,13 +97,13 @@ class PReLULayer(_Neuron):
         self.channel_shared = p.channel_shared
         channels = bottom[0].shape[1]
         shape = () if self.channel_shared else (channels,)
+        want = 1 if self.channel_shared else channels
         if not self.blobs:
             if p.HasField("filler"):
                 filler = p.filler
             else:
                 filler = caffe_pb2.FillerParameter(type="constant", value=0.25)
             self.blobs = [self.fill(filler, shape)]
-        want = 1 if self.channel_shared else channels
         if self.blobs[0].count != want:
             raise self.error("has %d slopes, but channel_shared=%s and the bottom %s needs %d",
                              self.blobs[0].count, self.channel_shared, bottom[0].shape, want)
@@ -340,31 +340,22 @@ class DropoutLayer(_Neuron):
         self.ratio = float(p.dropout_ratio)
         if not 0 <= self.ratio < 1:
             raise self.error("dropout_ratio must be in [0, 1), got %g", self.ratio)
-        # scale_train (not in BVLC's proto; some forks have it): default true
-        self.scale_train = (p.scale_train if "scale_train" in p.DESCRIPTOR.fields_by_name
-                            else True)
         self._mask = None
 
     def needs_input(self):
         return False
 
-    def _test_scale(self):
-        return 1.0 if self.scale_train else 1.0 - self.ratio
-
     def compute(self, x):
         if self.phase == TRAIN:
             keep = rng().random_sample(x.shape) > self.ratio
-            mask = self.xp.asarray(keep.astype(self.dtype))
-            if self.scale_train:
-                mask *= 1.0 / (1.0 - self.ratio)
+            # inverted dropout: scale at train time, identity at test time
+            mask = self.xp.asarray(keep.astype(self.dtype) / (1.0 - self.ratio))
             self._mask = mask
             return x * mask
         self._mask = None
-        s = self._test_scale()
-        return x * s if s != 1 else x.copy()
+        return x.copy()
 
     def gradient(self, x, y, dy):
         if self._mask is not None:
             return dy * self._mask
-        s = self._test_scale()
-        return dy * s if s != 1 else dy.copy()
+        return dy.copy()

@@ -5,13 +5,14 @@ from .base import Layer, register
 
 
 def _normalize_backward(dy, y, axes):
-    """d/dx of y = (x - mean(x)) / s for a fixed s, times s, with the mean
-    over ``axes``, plus the term from the spread: dy - mean(dy) - mean(dy*y)*y."""
+    """Gradient of y = (x - mean(x)) / std(x) times std: the mean and the
+    spread both depend on x, giving dy - mean(dy) - mean(dy*y)*y (means over ``axes``)."""
     return dy - dy.mean(axis=axes, keepdims=True) - (dy * y).mean(axis=axes, keepdims=True) * y
 
 
 @register("BatchNorm")
 class BatchNormLayer(Layer):
+    statistics_params = True
     """Caffe's BatchNorm (no scale/shift: pair it with a Scale layer).
 
     blobs: [running mean sum (C,), running variance sum (C,), scale factor (1,)];

@@ -19,15 +19,6 @@ def _param_shape(layer, shape, axis_param, num_axes):
     return tuple(shape[axis:end])
 
 
-def _fill(layer, filler, shape):
-    """layer.fill that also gives 0-axis (scalar) parameters their () shape."""
-    if shape:
-        return layer.fill(filler, shape)
-    blob = layer.new_blob(())
-    blob.data = layer.fill(filler, (1,)).data.reshape(())
-    return blob
-
-
 def _broadcast_dims(layer, shape, operand_shape, axis_param):
     """(outer, dim, inner) so that bottom reshaped to (outer, dim, inner)
     meets the operand reshaped to (1, dim, 1)."""
@@ -76,7 +67,7 @@ class ScaleLayer(Layer):
         if len(bottom) == 1 and not self.blobs:
             sshape = _param_shape(self, shape, p.axis, p.num_axes)
             if p.HasField("filler"):
-                blob = _fill(self, p.filler, sshape)
+                blob = self.fill(p.filler, sshape)
             else:
                 blob = self.new_blob(sshape)
                 blob.data = self.xp.ones(sshape, self.dtype)
@@ -91,7 +82,7 @@ class ScaleLayer(Layer):
                     bshape = _param_shape(self, shape, p.axis, bottom[1].num_axes)
                 else:
                     bshape = _param_shape(self, shape, p.axis, p.num_axes)
-                self.blobs.append(_fill(self, p.bias_filler, bshape))
+                self.blobs.append(self.fill(p.bias_filler, bshape))
 
     def _scale(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
@@ -146,7 +137,7 @@ class BiasLayer(Layer):
     def setup(self, bottom, top):
         p = self.param.bias_param
         if len(bottom) == 1 and not self.blobs:
-            self.blobs = [_fill(self, p.filler, _param_shape(self, bottom[0].shape, p.axis,
+            self.blobs = [self.fill(p.filler, _param_shape(self, bottom[0].shape, p.axis,
                                                            p.num_axes))]
 
     def _bias(self, bottom):

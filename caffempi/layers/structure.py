@@ -38,15 +38,10 @@ def _prod(dims):
     return n
 
 
-def _index(ndim, axis, sl):
-    """An index tuple selecting ``sl`` along ``axis`` of an ndim-D array."""
-    return (slice(None),) * axis + (sl,)
-
-
 def _contiguous_part(xp, a, axis, start, stop):
     """a[..., start:stop, ...] along axis; a view when that is contiguous
     (axis 0, or every leading dim 1), else a compact copy."""
-    part = a[_index(a.ndim, axis, slice(start, stop))]
+    part = a[(slice(None),) * axis + (slice(start, stop),)]
     if _prod(a.shape[:axis]) == 1:
         return part
     return xp.ascontiguousarray(part)
@@ -531,7 +526,9 @@ class ArgMaxLayer(Layer):
         """(indices, values) of the k largest along the last axis, ties
         broken towards the larger index (a reversed stable ascending sort)."""
         xp = self.xp
-        order = xp.argsort(x, axis=-1, kind="stable")[..., ::-1][..., :self._k]
+        # CuPy's argsort is always stable and takes no ``kind`` other than None.
+        kw = {"kind": "stable"} if xp.__name__ == "numpy" else {}
+        order = xp.argsort(x, axis=-1, **kw)[..., ::-1][..., :self._k]
         return order, xp.take_along_axis(x, order, axis=-1)
 
     def forward(self, bottom, top):

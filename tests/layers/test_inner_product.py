@@ -101,3 +101,15 @@ def test_embed_refuses_bottom_gradient():
     top[0].diff = np.ones(top[0].shape)
     with pytest.raises(CaffeError):
         layer.backward(top, [True], bottom)
+
+
+@pytest.mark.parametrize("text,x", [
+    (ip("num_output: 3"), rand(2, 4)), (ip("num_output: 3 transpose: true"), rand(2, 4)),
+    (EMBED % "", np.array([[1.0, 2.0]])),
+])
+def test_float32_stays_float32(text, x):
+    layer, bottom, top = run_layer(text, [x], dtype=np.float32)
+    assert top[0].data.dtype == np.float32
+    top[0].diff = np.ones(top[0].shape, np.float32)
+    layer.backward(top, [layer.type != "Embed"], bottom)
+    assert all(b.diff.dtype == np.float32 for b in layer.blobs)

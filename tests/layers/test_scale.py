@@ -135,3 +135,15 @@ def test_bias_param_gradient(extra):
 @pytest.mark.parametrize("extra,bshape", [("", (3,)), ("", (3, 2)), ("axis: 0", (2, 3)), ("", ())])
 def test_bias_two_bottom_gradient(extra, bshape):
     check_gradient(bias(extra), [rand(2, 3, 2, 2), rand(*bshape, seed=1)])
+
+
+@pytest.mark.parametrize("text,nbottom", [
+    (scale("bias_term: true"), 1), (scale("bias_term: true"), 2), (bias(), 1), (bias(), 2),
+])
+def test_float32_stays_float32(text, nbottom):
+    arrays = [rand(2, 3, 2), rand(3, seed=1)][:nbottom]
+    layer, bottom, top = run_layer(text, arrays, dtype=np.float32)
+    assert top[0].data.dtype == np.float32
+    top[0].diff = np.ones(top[0].shape, np.float32)
+    layer.backward(top, [True] * nbottom, bottom)
+    assert all(b.diff.dtype == np.float32 for b in bottom + layer.blobs)

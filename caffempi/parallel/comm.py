@@ -1,0 +1,195 @@
+"""The MPI world of this process, imported lazily.
+
+``get_world()`` returns a :class:`World`: under ``mpirun``/``mpiexec`` (the
+launcher's environment says so) it wraps mpi4py's ``COMM_WORLD``; otherwise,
+or when ``CAFFEMPI_MPI=0``, a trivial single-process world whose collectives
+are no-ops, so a machine without an MPI runtime (or without mpi4py) trains
+on one process.  ``CAFFEMPI_MPI=1`` forces MPI initialisation even when no
+launcher variable is visible (e.g. a singleton MPI run).
+
+Layers and solvers never talk to MPI; only caffempi.parallel does.
+"""
+import os
+import sys
+
+import numpy as np
+
+from ..common import CaffeError
+
+# Environment variables that launchers set in every rank (MPICH/Hydra,
+# Intel MPI, Open MPI, PMIx, MVAPICH).  Their presence means "we were started
+# by an MPI launcher": then MPI is required and imported.
+_SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_SIZE",
+              "MPI_LOCALNRANKS")
+_RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
+
+_world = None
+
+
+def launched_by_mpi(environ=None):
+    """True when an MPI launcher started this process (or CAFFEMPI_MPI=1)."""
+    env = os.environ if environ is None else environ
+    flag = env.get("CAFFEMPI_MPI", "").strip().lower()
+    if flag in ("0", "no", "false", "off"):
+        return False
+    if flag in ("1", "yes", "true", "on"):
+        return True
+    return any(v in env for v in _SIZE_VARS + _RANK_VARS)
+
+
+def _launcher_size(environ=None):
+    env = os.environ if environ is None else environ
+    for v in _SIZE_VARS:
+        if v in env:
+            try:
+                return int(env[v])
+            except ValueError:
+                pass
+    return None
+
+
+class SingleWorld:
+    """One process, no MPI: every collective returns its input."""
+    rank = 0
+    size = 1
+    is_mpi = False
+    comm = None
+    MPI = None
+
+    @property
+    def is_root(self):
+        return self.rank == 0
+
+    def barrier(self):
+        pass
+
+    def bcast(self, obj, root=0):
+        return obj
+
+    def bcast_array(self, arr, root=0):
+        return arr
+
+    def allreduce_sum(self, arr):
+        """In-place sum over ranks of a contiguous array; returns it."""
+        return arr
+
+    def allreduce_scalars(self, values, op="sum"):
+        return np.asarray(values, np.float64).copy()
+
+    def allgather(self, obj):
+        return [obj]
+
+    def any(self, flag):
+        return bool(flag)
+
+    def abort(self, code=1):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+    def processor_name(self):
+        import socket
+        return socket.gethostname()
+
+    def library_version(self):
+        return "no MPI (single process)"
+
+
+class MPIWorld(SingleWorld):
+    """COMM_WORLD through mpi4py (host buffers)."""
+    is_mpi = True
+
+    def __init__(self, MPI, comm=None):
+        self.MPI = MPI
+        self.comm = comm or MPI.COMM_WORLD
+        self.rank = self.comm.Get_rank()
+        self.size = self.comm.Get_size()
+        self.thread_level = MPI.Query_thread()
+
+    def barrier(self):
+        self.comm.Barrier()
+
+    def bcast(self, obj, root=0):
+        return self.comm.bcast(obj, root=root)
+
+    def bcast_array(self, arr, root=0):
+        if arr.size:
+            self.comm.Bcast(_host(arr), root=root)
+        return arr
+
+    def allreduce_sum(self, arr):
+        if arr.size:
+            self.comm.Allreduce(self.MPI.IN_PLACE, _host(arr), op=self.MPI.SUM)
+        return arr
+
+    def allreduce_scalars(self, values, op="sum"):
+        a = np.array(values, np.float64).reshape(-1)
+        if a.size:
+            mop = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
+            self.comm.Allreduce(self.MPI.IN_PLACE, a, op=mop)
+        return a
+
+    def allgather(self, obj):
+        return self.comm.allgather(obj)
+
+    def any(self, flag):
+        return bool(self.allreduce_scalars([1.0 if flag else 0.0], "max")[0])
+
+    def abort(self, code=1):
+        sys.stdout.flush()
+        sys.stderr.flush()
+        try:
+            self.comm.Abort(code)
+        finally:  # Abort does not return; belt and braces
+            os._exit(code)
+
+    def processor_name(self):
+        return self.MPI.Get_processor_name()
+
+    def library_version(self):
+        return self.MPI.Get_library_version().strip().splitlines()[0]
+
+
+def _host(arr):
+    if not isinstance(arr, np.ndarray) or not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+        raise TypeError("MPI host transport needs a contiguous NumPy array, got %s" % type(arr))
+    return arr
+
+
+def get_world(async_progress=None):
+    """This process's world (created on first use; MPI imported only if needed).
+
+    ``async_progress=True`` (``--comm=async``) asks MPICH for its progress
+    thread (MPIR_CVAR_ASYNC_PROGRESS=1); it must be decided before the first
+    call, since MPI reads it at initialisation."""
+    global _world
+    if _world is not None:
+        return _world
+    if async_progress:
+        os.environ["MPIR_CVAR_ASYNC_PROGRESS"] = "1"
+    if not launched_by_mpi():
+        _world = SingleWorld()
+        return _world
+    try:
+        import mpi4py
+        # The communication thread (--comm=thread) calls MPI from a second
+        # thread; mpi4py's default already asks for MPI_THREAD_MULTIPLE.
+        mpi4py.rc.thread_level = "multiple"
+        from mpi4py import MPI
+    except Exception as e:  # ImportError, or a broken MPI shared library
+        n = _launcher_size()
+        if n is None or n > 1:
+            raise CaffeError("started by an MPI launcher (%s ranks) but mpi4py cannot be loaded: %s; "
+                             "install mpi4py (pip install mpi4py mpich) or run without mpirun"
+                             % (n if n is not None else "?", e))
+        _world = SingleWorld()
+        return _world
+    _world = MPIWorld(MPI)
+    return _world
+
+
+def set_world(world):
+    """Replace the process's world (tests)."""
+    global _world
+    _world = world
+    return world

@@ -1,0 +1,182 @@
+"""BatchNorm and MVN: forward values and running statistics against plain
+NumPy, parameter shapes, finite-difference gradients."""
+import numpy as np
+import pytest
+
+from caffempi.blob import Blob
+from caffempi.common import TEST, TRAIN
+from caffempi.testing.gradient_check import check_gradient, make_layer, run_layer
+
+
+def rand(*shape, seed=0):
+    return np.random.RandomState(seed).randn(*shape)
+
+
+def ref_batch_norm_train(x, blobs, maf, eps):
+    """Loops over channels: output and updated running blobs."""
+    c = x.shape[1]
+    y = np.empty_like(x)
+    mean_sum, var_sum, factor = (b.copy() for b in blobs)
+    for ch in range(c):
+        v = x[:, ch].reshape(-1)
+        m = v.size
+        mu = v.sum() / m
+        var = ((v - mu) ** 2).sum() / m
+        y[:, ch] = (x[:, ch] - mu) / np.sqrt(var + eps)
+        mean_sum[ch] = mean_sum[ch] * maf + mu
+        var_sum[ch] = var_sum[ch] * maf + var * m / (m - 1)
+    factor = factor * maf + 1
+    return y, [mean_sum, var_sum, factor]
+
+
+def set_blobs(layer, values):
+    for blob, v in zip(layer.blobs, values):
+        blob.data = np.asarray(v, float).copy()
+
+
+def test_batch_norm_blob_shapes():
+    layer, _, _ = run_layer('type: "BatchNorm"', [rand(2, 3, 2, 2)])
+    assert [b.shape for b in layer.blobs] == [(3,), (3,), (1,)]
+    layer, _, _ = run_layer('type: "BatchNorm"', [rand(5)])
+    assert [b.shape for b in layer.blobs] == [(1,), (1,), (1,)]
+
+
+def test_batch_norm_train_forward_and_running_stats():
+    x = rand(3, 2, 2, 3) * 2 + 1
+    layer = make_layer('type: "BatchNorm" batch_norm_param { moving_average_fraction: 0.9 eps: 0.001 }')
+    start = [np.array([0.5, -1.0]), np.array([2.0, 3.0]), np.array([1.7])]
+    _, bottom, top = run_layer(layer, [x])  # first pass from zeros
+    maf, eps = float(np.float32(0.9)), float(np.float32(0.001))
+    y, blobs = ref_batch_norm_train(x, [np.zeros(2), np.zeros(2), np.zeros(1)], maf, eps)
+    np.testing.assert_allclose(top[0].data, y, rtol=1e-10, atol=1e-12)
+    for got, want in zip(layer.blobs, blobs):
+        np.testing.assert_allclose(got.data, want, rtol=1e-10)
+    # Second pass from non-zero running sums.
+    set_blobs(layer, start)
+    layer.forward(bottom, top)
+    y, blobs = ref_batch_norm_train(x, start, maf, eps)
+    np.testing.assert_allclose(top[0].data, y, rtol=1e-10, atol=1e-12)
+    for got, want in zip(layer.blobs, blobs):
+        np.testing.assert_allclose(got.data, want, rtol=1e-10)
+
+
+def test_batch_norm_2d_input():
+    x = rand(4, 3)
+    layer, _, top = run_layer('type: "BatchNorm"', [x])
+    y, _ = ref_batch_norm_train(x[:, :, None], [np.zeros(3)] * 2 + [np.zeros(1)], 0.999, 1e-5)
+    np.testing.assert_allclose(top[0].data, y[:, :, 0], rtol=1e-5)
+
+
+@pytest.mark.parametrize("text,phase", [
+    ('type: "BatchNorm"', TEST),
+    ('type: "BatchNorm" batch_norm_param { use_global_stats: true }', TRAIN),
+])
+def test_batch_norm_global_stats_forward(text, phase):
+    x = rand(2, 3, 2, 2)
+    layer = make_layer(text, phase=phase)
+    blobs = [np.array([1.0, -2.0, 0.5]), np.array([4.0, 2.0, 8.0]), np.array([2.0])]
+    _, bottom, top = run_layer(layer, [x], phase=phase)
+    assert layer.use_global_stats
+    set_blobs(layer, blobs)
+    layer.forward(bottom, top)
+    eps = float(np.float32(1e-5))
+    y = np.empty_like(x)
+    for ch in range(3):
+        y[:, ch] = (x[:, ch] - blobs[0][ch] / 2.0) / np.sqrt(blobs[1][ch] / 2.0 + eps)
+    np.testing.assert_allclose(top[0].data, y, rtol=1e-10)
+    # Running blobs are left alone.
+    for got, want in zip(layer.blobs, blobs):
+        np.testing.assert_array_equal(got.data, want)
+
+
+def test_batch_norm_zero_scale_factor_means_zero_stats():
+    x = rand(2, 3)
+    layer, _, top = run_layer('type: "BatchNorm"', [x], phase=TEST)
+    np.testing.assert_allclose(top[0].data, x / np.sqrt(float(np.float32(1e-5))), rtol=1e-10)
+
+
+def test_batch_norm_train_can_be_forced_off_global():
+    layer, _, _ = run_layer('type: "BatchNorm" batch_norm_param { use_global_stats: false }',
+                            [rand(2, 3)], phase=TEST)
+    assert not layer.use_global_stats
+    assert layer.blobs[2].data[0] == 1
+
+
+@pytest.mark.parametrize("shape", [(3, 2, 2, 2), (4, 3)])
+def test_batch_norm_train_gradient(shape):
+    check_gradient('type: "BatchNorm"', [rand(*shape)], check_params=False)
+
+
+def test_batch_norm_global_gradient():
+    layer = make_layer('type: "BatchNorm"', phase=TEST)
+    layer.blobs = [layer.new_blob(s) for s in ((3,), (3,), (1,))]
+    set_blobs(layer, [np.array([1.0, -2.0, 0.5]), np.array([4.0, 2.0, 8.0]), np.array([2.0])])
+    check_gradient(layer, [rand(2, 3, 2, 2)], check_params=False, phase=TEST)
+
+
+def ref_mvn(x, normalize_variance, across_channels, eps):
+    y = np.empty_like(x)
+    for n in range(x.shape[0]):
+        groups = [slice(None)] if across_channels else range(x.shape[1])
+        for g in groups:
+            v = x[n, g]
+            out = v - v.mean()
+            if normalize_variance:
+                out = out / (np.sqrt(((v - v.mean()) ** 2).mean()) + eps)
+            y[n, g] = out
+    return y
+
+
+FLAGS = [(nv, ac) for nv in (True, False) for ac in (True, False)]
+
+
+def mvn(nv, ac, extra=""):
+    return 'type: "MVN" mvn_param { normalize_variance: %s across_channels: %s %s }' % (
+        str(nv).lower(), str(ac).lower(), extra)
+
+
+@pytest.mark.parametrize("nv,ac", FLAGS)
+def test_mvn_forward(nv, ac):
+    x = rand(2, 3, 2, 3) * 3 + 2
+    _, _, top = run_layer(mvn(nv, ac, "eps: 0.01"), [x])
+    np.testing.assert_allclose(top[0].data, ref_mvn(x, nv, ac, float(np.float32(0.01))), rtol=1e-10)
+
+
+@pytest.mark.parametrize("nv,ac", FLAGS)
+def test_mvn_gradient(nv, ac):
+    check_gradient(mvn(nv, ac), [rand(2, 3, 2, 2)])
+
+
+@pytest.mark.parametrize("text,phase", [
+    ('type: "BatchNorm"', TRAIN), ('type: "BatchNorm"', TEST), (mvn(True, False), TRAIN),
+])
+def test_in_place_matches_out_of_place(text, phase):
+    x, dy = rand(2, 3, 2), rand(2, 3, 2, seed=1)
+    layer, bottom, top = run_layer(text, [x], phase=phase)
+    top[0].diff = dy.copy()
+    layer.backward(top, [True], bottom)
+    blob = Blob(x.shape, np, np.float64)
+    blob.data = x.copy()
+    inplace = make_layer(text, phase=phase)
+    inplace.setup([blob], [blob])
+    inplace.reshape([blob], [blob])
+    inplace.forward([blob], [blob])
+    np.testing.assert_allclose(blob.data, top[0].data)
+    if layer.type == "BatchNorm":
+        blob.data[...] = 0  # a later in-place layer may overwrite the output (Caffe copes)
+    blob.diff = dy.copy()
+    inplace.backward([blob], [True], [blob])
+    np.testing.assert_allclose(blob.diff, bottom[0].diff)
+
+
+@pytest.mark.parametrize("text,phase", [
+    ('type: "BatchNorm"', TRAIN), ('type: "BatchNorm"', TEST), (mvn(True, True), TRAIN),
+    (mvn(False, False), TRAIN),
+])
+def test_float32_stays_float32(text, phase):
+    layer, bottom, top = run_layer(text, [rand(2, 3, 2)], phase=phase, dtype=np.float32)
+    assert top[0].data.dtype == np.float32
+    assert all(b.data.dtype == np.float32 for b in layer.blobs)
+    top[0].diff = np.ones(top[0].shape, np.float32)
+    layer.backward(top, [True], bottom)
+    assert bottom[0].diff.dtype == np.float32
