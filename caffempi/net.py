@@ -139,8 +139,6 @@ class Net:
         self.loss_weights = []          # per layer: list of (top index, weight)
         available = set()               # blobs produced and not yet consumed
         for lp in self.net_param.layer:
-            if lp.name in self.layer_names:
-                raise CaffeError("duplicate layer name '%s'" % lp.name)
             layer = create_layer(lp, self.phase, self.xp, self.dtype)
             layer.data_shard = self.data_shard
             bottoms = []

@@ -13,16 +13,14 @@ from .proto import caffe_pb2
 FILE_DATA_TYPES = ("Data", "ImageData", "HDF5Data", "WindowData")
 
 
+def _data_param(lp):
+    return {"Data": lp.data_param, "ImageData": lp.image_data_param,
+            "HDF5Data": lp.hdf5_data_param, "WindowData": lp.window_data_param}[lp.type]
+
+
 def _source_readable(lp):
-    p = {"Data": lp.data_param, "ImageData": lp.image_data_param,
-         "HDF5Data": lp.hdf5_data_param, "WindowData": lp.window_data_param}[lp.type]
-    return bool(p.source) and os.path.exists(p.source)
-
-
-def _batch_size(lp):
-    p = {"Data": lp.data_param, "ImageData": lp.image_data_param,
-         "HDF5Data": lp.hdf5_data_param, "WindowData": lp.window_data_param}[lp.type]
-    return p.batch_size
+    source = _data_param(lp).source
+    return bool(source) and os.path.exists(source)
 
 
 def _image_shape(lp, data_shape):
@@ -41,18 +39,20 @@ def _image_shape(lp, data_shape):
         ip = lp.image_data_param
         return (3 if ip.is_color else 1, ip.new_height, ip.new_width)
     raise CaffeError("layer '%s': cannot read '%s' and the prototxt does not say the image size; "
-                     "pass --data_shape=C,H,W" % (lp.name, lp.data_param.source or lp.image_data_param.source))
+                     "pass --data_shape=C,H,W" % (lp.name, _data_param(lp).source))
 
 
-def substitute_data_layers(net_param, data_shape=None, only_unreadable=True, warn=True):
+def substitute_data_layers(net_param, data_shape=None, only_unreadable=True, warn=True, batch_size=None):
     """Replace file-reading data layers by DummyData of the same top shapes
-    (random images, labels 0), so any train_val net can be built and timed."""
+    (random images, labels 0), so any train_val net can be built and timed.
+    ``data_shape`` is the per-image shape when the prototxt does not say it;
+    ``batch_size`` overrides the layers' own."""
     out = caffe_pb2.NetParameter()
     out.CopyFrom(net_param)
     for lp in out.layer:
         if lp.type not in FILE_DATA_TYPES or (only_unreadable and _source_readable(lp)):
             continue
-        n = _batch_size(lp)
+        n = batch_size or _data_param(lp).batch_size
         shapes = [(n,) + _image_shape(lp, data_shape)] + [(n,)] * (len(lp.top) - 1)
         if warn:
             log.warning("layer '%s': data source unreadable, timing with random input of shape %s",

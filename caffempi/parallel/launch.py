@@ -1,0 +1,156 @@
+"""Start-up of an MPI job: per-rank logging, abort on any rank's error, and
+the broadcast of the initial weights and solver state from rank 0."""
+import logging
+import os
+import signal
+import sys
+import threading
+import traceback
+
+import numpy as np
+
+from ..common import CaffeError, init_logging, log
+from .comm import get_world
+
+
+def init_rank_logging(world=None, level=logging.INFO, stream=None):
+    """Rank 0 logs at ``level``; the other ranks log warnings and errors only,
+    prefixed with ``[rank r] ``."""
+    world = world or get_world()
+    if world.size == 1:
+        init_logging(level, stream=stream)
+    elif world.rank == 0:
+        init_logging(level, prefix="", stream=stream)
+    else:
+        init_logging(max(level, logging.WARNING), prefix="[rank %d] " % world.rank, stream=stream)
+
+
+def _report(world, exc_type, exc, tb, debug=False):
+    prefix = "[rank %d] " % world.rank if world.size > 1 else ""
+    try:
+        if issubclass(exc_type, CaffeError) and not debug:
+            msg = "%s%s" % (prefix, exc)
+        else:
+            msg = prefix + "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
+        log.error("%s", msg) if log.handlers else sys.stderr.write(msg + "\n")
+    except Exception:
+        sys.stderr.write("%s%s: %s\n" % (prefix, exc_type.__name__, exc))
+    sys.stderr.flush()
+
+
+def abort_job(world=None, code=1):
+    """End every rank now (MPI_Abort); never returns."""
+    world = world or get_world()
+    world.abort(code)
+
+
+def install_abort_handlers(world=None, debug=False):
+    """Any uncaught exception, in any thread of any rank, prints that rank's
+    error and aborts the whole job with a non-zero exit (no hang in a
+    collective the failed rank will never reach)."""
+    world = world or get_world()
+    if world.size == 1:
+        return
+
+    def excepthook(exc_type, exc, tb):
+        if exc_type is SystemExit and not exc.code:
+            return
+        _report(world, exc_type, exc, tb, debug)
+        world.abort(1)
+
+    def thread_hook(args):
+        excepthook(args.exc_type, args.exc_value, args.exc_traceback)
+
+    sys.excepthook = excepthook
+    threading.excepthook = thread_hook
+
+
+def run_guarded(fn, *args, world=None, debug=False, **kwargs):
+    """Call fn; under MPI with several ranks an exception, or a non-zero
+    SystemExit, on this rank aborts the job.  Returns fn's result."""
+    world = world or get_world()
+    if world.size == 1:
+        return fn(*args, **kwargs)
+    try:
+        return fn(*args, **kwargs)
+    except SystemExit as e:
+        if e.code in (None, 0):
+            raise
+        code = e.code if isinstance(e.code, int) else 1
+        if not isinstance(e.code, int):
+            sys.stderr.write("[rank %d] %s\n" % (world.rank, e.code))
+        sys.stderr.flush()
+        world.abort(code)
+    except BaseException:
+        _report(world, *sys.exc_info(), debug=debug)
+        world.abort(1)
+
+
+# ------------------------------------------------------------------ state sync
+def broadcast_weights(net, world=None, root=0):
+    """Make every rank's weights rank 0's (fillers, --weights, --snapshot)."""
+    world = world or get_world()
+    if world.size > 1:
+        world.bcast_array(net.param_data, root)
+
+
+def broadcast_arrays(arrays, world=None, root=0):
+    """Broadcast a list of contiguous arrays (e.g. solver history) in place."""
+    world = world or get_world()
+    if world.size > 1:
+        for a in arrays:
+            world.bcast_array(a, root)
+
+
+def broadcast_object(obj, world=None, root=0):
+    world = world or get_world()
+    return world.bcast(obj, root) if world.size > 1 else obj
+
+
+def check_same_net(net, world=None):
+    """Every rank must have built the same parameter layout."""
+    world = world or get_world()
+    if world.size == 1:
+        return
+    sig = (len(net.layers), int(net.param_data.size), tuple(net.layer_names))
+    sigs = world.allgather(sig)
+    bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
+    if bad:
+        raise CaffeError("ranks %s built a different net than rank 0 (layers/params %s vs %s)"
+                         % (bad, sigs[bad[0]][:2], sigs[0][:2]))
+
+
+def per_rank_seed(seed, world=None):
+    """A seed for this rank's own random draws (dropout, shuffling)."""
+    world = world or get_world()
+    return (int(seed) + 7919 * world.rank) % (2 ** 32)
+
+
+def blas_threads_hint(world=None):
+    """Warn when several ranks share a host and BLAS may use every core each."""
+    world = world or get_world()
+    if world.size > 1 and "OPENBLAS_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
+        if world.rank == 0:
+            log.warning("OPENBLAS_NUM_THREADS is not set: with several ranks per host set it to "
+                        "cores/ranks_per_host (mpiexec -genv OPENBLAS_NUM_THREADS 1 ...)")
+
+
+class StopFlag:
+    """SIGINT/SIGHUP arrive at ranks at different moments; a rank only records
+    them, and the ranks agree each iteration (reducer.any) so all stop at the
+    same one."""
+
+    def __init__(self):
+        self.sigint = False
+        self.sighup = False
+
+    def install(self):
+        def on_int(signum, frame):
+            self.sigint = True
+
+        def on_hup(signum, frame):
+            self.sighup = True
+        signal.signal(signal.SIGINT, on_int)
+        if hasattr(signal, "SIGHUP"):
+            signal.signal(signal.SIGHUP, on_hup)
+        return self

@@ -1,0 +1,378 @@
+"""Gradient averaging across ranks: layer-bucketed allreduce overlapped with
+backward (Poseidon's wait-free backprop), or one blocking allreduce.
+
+The net keeps every learnable parameter's gradient in one flat buffer,
+``net.param_diff``, in layer order.  The reducer groups whole layers, taken
+in *reverse* layer order, into buckets (contiguous ranges of that buffer).
+A bucket is complete once the backward of its lowest layer has run (shared
+parameters belong to their earliest layer, so nothing writes into a bucket
+after that); the net's backward hook then starts a non-blocking sum over
+ranks on it.  ``finish`` waits for all buckets and scales by 1/N.
+
+The network is reached only through a *transport* (the GPU seam):
+
+    handle = transport.allreduce_start(buf)   # sum over ranks, in place
+    transport.poll()                           # give the MPI a chance to progress
+    transport.wait(handle)
+
+``MPIHostTransport`` is the implementation for host (NumPy) buffers; a
+CUDA-aware MPI or NCCL transport for device buffers plugs in the same way.
+
+Progress modes (``--comm``):
+  blocking  one Allreduce of the whole gradient after backward (baseline)
+  overlap   Iallreduce per bucket, MPI_Testall between layers (default)
+  thread    a communication thread runs a blocking Allreduce per bucket
+            (MPI_THREAD_MULTIPLE; the GIL is released inside MPI and BLAS)
+  async     Iallreduce per bucket, progress left to MPICH's own progress
+            thread (MPIR_CVAR_ASYNC_PROGRESS=1, set before MPI_Init)
+  nopoll    Iallreduce per bucket, no polling (shows what MPI does alone)
+"""
+import queue
+import threading
+import time
+
+import numpy as np
+
+from ..common import CaffeError, log
+
+COMM_MODES = ("overlap", "blocking", "thread", "async", "nopoll")
+# Measured on this 2-core machine (benchmarks/scaling.py, docs/mpi.md):
+# LeNet's 1.7 MB of gradients in one or two buckets is best; 4 MB behaves the
+# same on CIFAR10-quick.  DDP's small first bucket starts the first message early.
+DEFAULT_BUCKET_MB = 4.0
+DEFAULT_FIRST_BUCKET_MB = 1.0
+
+
+# ----------------------------------------------------------------- transports
+class LocalTransport:
+    """One rank: nothing to do."""
+    name = "local"
+
+    def allreduce_start(self, buf):
+        return None
+
+    def poll(self):
+        return True
+
+    def wait(self, handle):
+        pass
+
+    def allreduce(self, buf):
+        pass
+
+    def close(self):
+        pass
+
+
+class MPIHostTransport:
+    """Sum over ranks of NumPy buffers with MPI (non-blocking, or a thread)."""
+
+    def __init__(self, world, mode="overlap"):
+        self.world = world
+        self.MPI = world.MPI
+        self.comm = world.comm
+        self.mode = mode
+        self.name = "mpi-host-" + mode
+        self._pending = []
+        self.comm_seconds = 0.0          # time inside blocking Allreduce calls
+        self._thread = None
+        if mode == "thread":
+            if world.thread_level < self.MPI.THREAD_MULTIPLE:
+                raise CaffeError("--comm=thread needs MPI_THREAD_MULTIPLE; this MPI gives level %d"
+                                 % world.thread_level)
+            self._queue = queue.Queue()
+            self._error = None
+            self._thread = threading.Thread(target=self._run, name="caffempi-comm", daemon=True)
+            self._thread.start()
+
+    # -- blocking
+    def allreduce(self, buf):
+        t = time.perf_counter()
+        self.comm.Allreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        self.comm_seconds += time.perf_counter() - t
+
+    # -- non-blocking
+    def allreduce_start(self, buf):
+        if self.mode == "thread":
+            done = threading.Event()
+            self._queue.put((buf, done))
+            return done
+        req = self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+        self._pending.append(req)
+        if self.mode == "overlap":
+            self.MPI.Request.Testall(self._pending)
+        return req
+
+    def poll(self):
+        if self.mode == "overlap" and self._pending:
+            if self.MPI.Request.Testall(self._pending):
+                self._pending = []
+        return not self._pending
+
+    def wait(self, handle):
+        if self.mode == "thread":
+            handle.wait()
+            if self._error is not None:
+                raise self._error
+            return
+        handle.Wait()
+        self._pending = [r for r in self._pending if r != self.MPI.REQUEST_NULL]
+
+    def _run(self):
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            buf, done = item
+            try:
+                self.allreduce(buf)
+            except BaseException as e:  # reported to the waiting thread
+                self._error = e
+            done.set()
+
+    def close(self):
+        if self._thread is not None:
+            self._queue.put(None)
+            self._thread.join(timeout=5)
+            self._thread = None
+
+
+def make_transport(world, mode="overlap"):
+    if mode not in COMM_MODES:
+        raise CaffeError("unknown --comm '%s' (one of %s)" % (mode, ", ".join(COMM_MODES)))
+    if world.size == 1:
+        return LocalTransport()
+    return MPIHostTransport(world, mode)
+
+
+# -------------------------------------------------------------------- buckets
+def layer_param_ranges(net):
+    """{layer index: (start, end)} of the flat-buffer range each layer owns."""
+    ranges = {}
+    for p, li in enumerate(net.param_layer_index):
+        s = net.param_offsets[p]
+        e = s + net.learnable_params[p].count
+        if li in ranges:
+            ranges[li] = (min(ranges[li][0], s), max(ranges[li][1], e))
+        else:
+            ranges[li] = (s, e)
+    return ranges
+
+
+def make_buckets(net, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST_BUCKET_MB):
+    """Buckets of whole layers in reverse layer order: list of
+    (ready_layer, start, end, layer indices); ready_layer is the bucket's
+    lowest layer, after whose backward the bucket's gradients are final."""
+    itemsize = np.dtype(net.dtype).itemsize
+    ranges = layer_param_ranges(net)
+    buckets, cur = [], []
+    cap = first_bucket_mb
+    for li in sorted(ranges, reverse=True):
+        cur.append(li)
+        nbytes = (ranges[cur[0]][1] - ranges[li][0]) * itemsize
+        if cap is not None and nbytes >= cap * 2 ** 20:
+            buckets.append(cur)
+            cur, cap = [], bucket_mb
+    if cur:
+        buckets.append(cur)
+    out = []
+    for layers in buckets:
+        lo, hi = min(layers), max(layers)
+        out.append((lo, ranges[lo][0], ranges[hi][1], layers))
+    return out
+
+
+# -------------------------------------------------------------------- reducer
+class Reducer:
+    """The solver's seam to data parallelism.
+
+    start_iteration(net)   before the iteration's forward/backward passes
+    finish(net)            after the last backward: gradients are averaged
+    mean_scalars(values)   mean over ranks of displayed numbers
+    test_share(test_iter)  how many test iterations this rank runs
+    combine_test(sums, n)  test scores over all ranks' batches
+    """
+
+    def __init__(self, world, comm="overlap", bucket_mb=DEFAULT_BUCKET_MB,
+                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None):
+        self.world = world
+        self.size = world.size
+        self.rank = world.rank
+        self.is_root = world.rank == 0
+        self.comm = comm if world.size > 1 else "local"
+        self.bucket_mb = bucket_mb
+        self.first_bucket_mb = first_bucket_mb
+        self.transport = transport or make_transport(world, comm)
+        self.iter_size = 1
+        self.net = None
+        self.buckets = []
+        self._ready = {}
+        self._handles = []
+        self._pass = 0
+        self._armed = False
+        # timings of the last iteration (seconds)
+        self.last_exposed = 0.0       # wait in finish() after backward
+        self.last_comm = 0.0          # time inside blocking allreduce calls
+        self.total_exposed = 0.0
+        self.iterations = 0
+
+    @property
+    def active(self):
+        return self.size > 1
+
+    # --------------------------------------------------------------- set-up
+    def attach(self, net, iter_size=1):
+        """Bucket the net's gradients and hook its backward."""
+        if self.net is net:
+            self.iter_size = iter_size
+            return
+        if self.net is not None:
+            self.detach()
+        self.net = net
+        self.iter_size = max(1, int(iter_size))
+        self._top_layer = len(net.layers) - 1
+        if not self.active:
+            return
+        if self.comm != "blocking":
+            self.buckets = make_buckets(net, self.bucket_mb, self.first_bucket_mb)
+            self._ready = {b[0]: k for k, b in enumerate(self.buckets)}
+            net.add_backward_hook(self._hook)
+        if self.is_root:
+            desc = ("one blocking allreduce of %.2f MB" % (net.param_diff.nbytes / 2 ** 20)
+                    if self.comm == "blocking" else
+                    "%d bucket(s) of %s MB" % (len(self.buckets), ", ".join(
+                        "%.2f" % ((b[2] - b[1]) * net.param_diff.itemsize / 2 ** 20) for b in self.buckets)))
+            log.info("Data parallel over %d ranks (%s): %s", self.size, self.transport.name, desc)
+
+    def detach(self):
+        if self.net is not None and self.buckets:
+            try:
+                self.net.remove_backward_hook(self._hook)
+            except ValueError:
+                pass
+        self.net = None
+        self.buckets = []
+
+    def close(self):
+        self.detach()
+        self.transport.close()
+
+    # ------------------------------------------------------------ iteration
+    def start_iteration(self, net, iter_size=None):
+        if iter_size is not None:
+            self.iter_size = max(1, int(iter_size))
+        if self.net is not net:
+            self.attach(net, self.iter_size)
+        self._pass = 0
+        self._armed = self.iter_size == 1
+        self._handles = []
+        self._comm0 = getattr(self.transport, "comm_seconds", 0.0)
+
+    def _hook(self, layer_index):
+        if layer_index == self._top_layer:       # first hook of a backward pass
+            self._pass += 1
+            self._armed = self._pass >= self.iter_size
+        if not self._armed:
+            return
+        k = self._ready.get(layer_index)
+        if k is None:
+            self.transport.poll()
+            return
+        _, s, e, _ = self.buckets[k]
+        self._handles.append(self.transport.allreduce_start(self.net.param_diff[s:e]))
+
+    def finish(self, net):
+        """Wait for the sums, scale by 1/N; returns the exposed seconds."""
+        t0 = time.perf_counter()
+        if self.active:
+            if self.comm == "blocking":
+                self.transport.allreduce(net.param_diff)
+            else:
+                if len(self._handles) != len(self.buckets):
+                    # backward ran fewer passes than iter_size said, or was
+                    # not hooked: reduce what is left, in bucket order
+                    started = len(self._handles)
+                    for _, s, e, _ in self.buckets[started:]:
+                        self._handles.append(self.transport.allreduce_start(net.param_diff[s:e]))
+                for h in self._handles:
+                    self.transport.wait(h)
+            net.param_diff *= net.param_diff.dtype.type(1.0 / self.size)
+        self._handles = []
+        self._armed = False
+        self.last_exposed = time.perf_counter() - t0
+        self.last_comm = getattr(self.transport, "comm_seconds", 0.0) - getattr(self, "_comm0", 0.0)
+        self.total_exposed += self.last_exposed
+        self.iterations += 1
+        return self.last_exposed
+
+    # ----------------------------------------------------------- scalars
+    def mean_scalars(self, values):
+        """Mean over ranks (the loss of the global batch); list of floats."""
+        values = [float(v) for v in values]
+        if not self.active or not values:
+            return values
+        return [float(v) / self.size for v in self.world.allreduce_scalars(values)]
+
+    def sum_scalars(self, values):
+        values = [float(v) for v in values]
+        if not self.active or not values:
+            return values
+        return [float(v) for v in self.world.allreduce_scalars(values)]
+
+    def any(self, flag):
+        """True on every rank if flag is true on any rank."""
+        return self.world.any(flag) if self.active else bool(flag)
+
+    # -------------------------------------------------------------- testing
+    def test_share(self, test_iter):
+        """Test iterations this rank runs: rank r takes the batches r, r+N, ...
+        With the data sharding (record i to rank i mod N) and N dividing
+        test_iter, the ranks together test the records one process would."""
+        n, r = divmod(int(test_iter), self.size)
+        return n + (1 if self.rank < r else 0)
+
+    def combine_test(self, sums, count):
+        """sums: per-output sums of the batch values over this rank's count
+        test iterations.  Returns (per-output means over all batches of all
+        ranks, total batch count)."""
+        sums = [float(s) for s in sums]
+        if not self.active:
+            return [s / count if count else 0.0 for s in sums], count
+        tot = self.world.allreduce_scalars(sums + [float(count)])
+        n = tot[-1]
+        return [float(s) / n if n else 0.0 for s in tot[:-1]], int(n)
+
+    def combine_test_arrays(self, sums, count):
+        """As combine_test for a list of arrays (per-element test scores)."""
+        flat = [np.asarray(s, np.float64).reshape(-1) for s in sums]
+        sizes = [f.size for f in flat]
+        vec = np.concatenate(flat + [np.array([float(count)])]) if flat else np.array([float(count)])
+        if self.active:
+            vec = self.world.allreduce_scalars(vec)
+        n = vec[-1]
+        out, off = [], 0
+        for s, f in zip(sums, sizes):
+            out.append((vec[off:off + f] / n if n else vec[off:off + f] * 0).reshape(np.shape(s)))
+            off += f
+        return out, int(n)
+
+    # ------------------------------------------------------------ weights
+    def broadcast_params(self, net, root=0):
+        if self.active:
+            self.world.bcast_array(net.param_data, root)
+
+    def check_in_sync(self, net):
+        """True when every rank holds the same weights (a debugging aid)."""
+        if not self.active:
+            return True
+        h = float(np.sum(net.param_data.astype(np.float64) * (1 + np.arange(net.param_data.size) % 7)))
+        lo = self.world.allreduce_scalars([h], "min")[0]
+        hi = self.world.allreduce_scalars([h], "max")[0]
+        return lo == hi
+
+
+def make_reducer(world=None, comm="overlap", bucket_mb=DEFAULT_BUCKET_MB,
+                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB):
+    from .comm import get_world
+    world = world or get_world(async_progress=(comm == "async"))
+    return Reducer(world, comm, bucket_mb, first_bucket_mb)

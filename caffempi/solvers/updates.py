@@ -1,0 +1,115 @@
+"""Caffe's update rules on flat float32 buffers.
+
+Every function works in place on whole flat buffers (the net's ``param_diff``
+and the solver's history buffers of the same length) with array module ``xp``
+(NumPy or CuPy).  ``local_rate`` is either a float32 scalar (all parameters
+share one lr_mult) or a flat float32 vector (``rate * lr_mult`` expanded per
+element).  On return ``diff`` holds the update value; the caller then does
+``data -= diff`` (Caffe's Net::Update).  ``tmp`` is scratch of the same length.
+
+The arithmetic follows src/caffe/solvers/*_solver.cpp term for term:
+
+* SGD       h = lr*g + m*h;                  g = h
+* Nesterov  u = h; h = lr*g + m*h;            g = (1+m)*h - m*u
+* AdaGrad   h += g^2;                        g = lr * g / (sqrt(h) + delta)
+* RMSProp   h = (1-d)*g^2 + d*h;             g = lr * g / (sqrt(h) + delta)
+* AdaDelta  hg = (1-m)*g^2 + m*hg;
+            g = g * sqrt((hu + delta) / (hg + delta));
+            hu = (1-m)*g^2 + m*hu;           g = lr * g
+* Adam      m1 = (1-b1)*g + b1*m1; v = (1-b2)*g^2 + b2*v;
+            g = lr * corr * m1 / (sqrt(v) + delta),
+            corr = sqrt(1 - b2^t) / (1 - b1^t), t = iter + 1
+"""
+import numpy as np
+
+f32 = np.float32
+
+
+def axpby(xp, alpha, x, beta, y, tmp):
+    """y = alpha*x + beta*y (caffe_cpu_axpby); alpha may be a vector."""
+    xp.multiply(x, alpha, out=tmp)
+    y *= beta
+    y += tmp
+
+
+def sgd(xp, diff, hist, tmp, local_rate, momentum):
+    axpby(xp, local_rate, diff, f32(momentum), hist, tmp)
+    diff[...] = hist
+
+
+def nesterov(xp, diff, hist, tmp, local_rate, momentum):
+    m = f32(momentum)
+    update = hist.copy()                       # history saved for stepping back
+    axpby(xp, local_rate, diff, m, hist, tmp)  # update history
+    # diff = (1 + m) * h - m * update
+    xp.multiply(hist, f32(1) + m, out=diff)
+    update *= -m
+    diff += update
+
+
+def adagrad(xp, diff, hist, tmp, local_rate, delta):
+    xp.multiply(diff, diff, out=tmp)
+    hist += tmp
+    xp.sqrt(hist, out=tmp)
+    tmp += f32(delta)
+    xp.divide(diff, tmp, out=tmp)
+    xp.multiply(tmp, local_rate, out=diff)
+
+
+def rmsprop(xp, diff, hist, tmp, local_rate, rms_decay, delta):
+    d = f32(rms_decay)
+    xp.multiply(diff, diff, out=tmp)
+    tmp *= f32(1) - d
+    hist *= d
+    hist += tmp
+    xp.sqrt(hist, out=tmp)
+    tmp += f32(delta)
+    xp.divide(diff, tmp, out=tmp)
+    xp.multiply(tmp, local_rate, out=diff)
+
+
+def adadelta(xp, diff, hist_g, hist_u, tmp, local_rate, momentum, delta):
+    m = f32(momentum)
+    one_m = f32(1) - m
+    dl = f32(delta)
+    # history of gradients
+    xp.multiply(diff, diff, out=tmp)
+    tmp *= one_m
+    hist_g *= m
+    hist_g += tmp
+    # sqrt((hu + delta) / (hg + delta))
+    upd = hist_u + dl
+    xp.add(hist_g, dl, out=tmp)
+    xp.divide(upd, tmp, out=upd)
+    xp.sqrt(upd, out=upd)
+    diff *= upd
+    # history of updates
+    xp.multiply(diff, diff, out=tmp)
+    tmp *= one_m
+    hist_u *= m
+    hist_u += tmp
+    # learning rate last
+    xp.multiply(diff, local_rate, out=diff)
+
+
+def adam_correction(beta1, beta2, t):
+    """sqrt(1 - b2^t) / (1 - b1^t) as Caffe computes it (double, then float)."""
+    b1, b2 = float(f32(beta1)), float(f32(beta2))
+    return f32(np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
+
+
+def adam(xp, diff, m1, v, tmp, local_rate, beta1, beta2, delta, t):
+    b1, b2 = f32(beta1), f32(beta2)
+    corr = adam_correction(beta1, beta2, t)
+    # m = (1-b1) g + b1 m
+    axpby(xp, f32(1) - b1, diff, b1, m1, tmp)
+    # v = (1-b2) g^2 + b2 v
+    xp.multiply(diff, diff, out=tmp)
+    tmp *= f32(1) - b2
+    v *= b2
+    v += tmp
+    # g = lr*corr * m / (sqrt(v) + eps)
+    xp.sqrt(v, out=tmp)
+    tmp += f32(delta)
+    xp.divide(m1, tmp, out=tmp)
+    xp.multiply(tmp, local_rate * corr, out=diff)

@@ -1,0 +1,191 @@
+"""Convolution and Deconvolution: forward values against plain loops, Caffe's
+output-size formulas and parameter shapes, finite-difference gradients."""
+import numpy as np
+import pytest
+
+from caffempi.blob import Blob
+from caffempi.common import CaffeError
+from caffempi.testing.gradient_check import check_gradient, make_layer, run_layer
+
+FILL = 'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "uniform" min: -1 max: 1 }'
+
+
+def rand(*shape, seed=0):
+    return np.random.RandomState(seed).randn(*shape)
+
+
+def conv_text(extra, kind="Convolution"):
+    return 'type: "%s" convolution_param { %s %s }' % (kind, extra, FILL)
+
+
+def ref_conv(x, w, b, stride, pad, dil, group):
+    """Direct convolution: y[n,o,y,x] = sum_{c,i,j} w * x at dilated taps."""
+    n, c, h, wd = x.shape
+    o, cg, kh, kw = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, pad, dil
+    oh = (h + 2 * ph - (dh * (kh - 1) + 1)) // sh + 1
+    ow = (wd + 2 * pw - (dw * (kw - 1) + 1)) // sw + 1
+    og = o // group
+    y = np.zeros((n, o, oh, ow))
+    for nn in range(n):
+        for oo in range(o):
+            g = oo // og
+            for yy in range(oh):
+                for xx in range(ow):
+                    s = 0.0
+                    for cc in range(cg):
+                        for i in range(kh):
+                            for j in range(kw):
+                                hy = yy * sh - ph + i * dh
+                                wx = xx * sw - pw + j * dw
+                                if 0 <= hy < h and 0 <= wx < wd:
+                                    s += w[oo, cc, i, j] * x[nn, g * cg + cc, hy, wx]
+                    y[nn, oo, yy, xx] = s + (b[oo] if b is not None else 0.0)
+    return y
+
+
+def ref_deconv(x, w, b, stride, pad, dil, group):
+    """Scatter form of the transposed convolution (Caffe's weight layout
+    (C_in, num_output/group, kh, kw))."""
+    n, c, h, wd = x.shape
+    _, og, kh, kw = w.shape
+    (sh, sw), (ph, pw), (dh, dw) = stride, pad, dil
+    oh = (h - 1) * sh + dh * (kh - 1) + 1 - 2 * ph
+    ow = (wd - 1) * sw + dw * (kw - 1) + 1 - 2 * pw
+    o = og * group
+    cg = c // group
+    y = np.zeros((n, o, oh, ow))
+    for nn in range(n):
+        for cc in range(c):
+            g = cc // cg
+            for yy in range(h):
+                for xx in range(wd):
+                    for oo in range(og):
+                        for i in range(kh):
+                            for j in range(kw):
+                                ty = yy * sh - ph + i * dh
+                                tx = xx * sw - pw + j * dw
+                                if 0 <= ty < oh and 0 <= tx < ow:
+                                    y[nn, g * og + oo, ty, tx] += x[nn, cc, yy, xx] * w[cc, oo, i, j]
+    if b is not None:
+        y += b.reshape(1, -1, 1, 1)
+    return y
+
+
+# (param text, stride, pad, dilation, group, bias)
+CASES = [
+    ("num_output: 4 kernel_size: 3", (1, 1), (0, 0), (1, 1), 1, True),
+    ("num_output: 4 kernel_size: 3 pad: 1 stride: 2", (2, 2), (1, 1), (1, 1), 1, True),
+    ("num_output: 4 kernel_size: 3 group: 2 bias_term: false", (1, 1), (0, 0), (1, 1), 2, False),
+    ("num_output: 2 kernel_size: 2 dilation: 2 pad: 1", (1, 1), (1, 1), (2, 2), 1, True),
+    ("num_output: 4 kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 1 pad_h: 1 pad_w: 0 group: 2",
+     (2, 1), (1, 0), (1, 1), 2, True),
+    ("num_output: 4 kernel_size: 1", (1, 1), (0, 0), (1, 1), 1, True),
+    ("num_output: 4 kernel_size: 1 group: 2 bias_term: false", (1, 1), (0, 0), (1, 1), 2, False),
+    ("num_output: 2 kernel_size: 3 kernel_size: 2 stride: 2 stride: 1 dilation: 1 dilation: 2",
+     (2, 1), (0, 0), (1, 2), 1, True),
+]
+
+
+@pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
+def test_conv_forward_matches_loops(text, stride, pad, dil, group, bias):
+    x = rand(2, 4, 7, 6)
+    layer, _, top = run_layer(conv_text(text), [x])
+    w = layer.blobs[0].data
+    b = layer.blobs[1].data if bias else None
+    assert len(layer.blobs) == (2 if bias else 1)
+    assert w.shape[1] == 4 // group
+    np.testing.assert_allclose(top[0].data, ref_conv(x, w, b, stride, pad, dil, group), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
+def test_deconv_forward_matches_loops(text, stride, pad, dil, group, bias):
+    x = rand(2, 4, 4, 5)
+    layer, _, top = run_layer(conv_text(text, "Deconvolution"), [x])
+    w = layer.blobs[0].data
+    b = layer.blobs[1].data if bias else None
+    num_output = int(text.split()[1])
+    assert w.shape[:2] == (4, num_output // group)      # Caffe's deconv layout
+    np.testing.assert_allclose(top[0].data, ref_deconv(x, w, b, stride, pad, dil, group), rtol=1e-10, atol=1e-10)
+
+
+@pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
+def test_conv_gradient(text, stride, pad, dil, group, bias):
+    check_gradient(conv_text(text), [rand(2, 4, 5, 4)])
+
+
+@pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
+def test_deconv_gradient(text, stride, pad, dil, group, bias):
+    check_gradient(conv_text(text, "Deconvolution"), [rand(2, 4, 3, 3)])
+
+
+def test_shapes_and_param_shapes():
+    layer, _, top = run_layer(conv_text("num_output: 6 kernel_size: 5 pad: 2 stride: 3 group: 3"), [rand(2, 3, 11, 9)])
+    assert layer.blobs[0].shape == (6, 1, 5, 5) and layer.blobs[1].shape == (6,)
+    assert top[0].shape == (2, 6, (11 + 4 - 5) // 3 + 1, (9 + 4 - 5) // 3 + 1)
+    layer, _, top = run_layer(conv_text("num_output: 2 kernel_size: 3 dilation: 3"), [rand(1, 1, 10, 8)])
+    assert top[0].shape == (1, 2, 10 - 7 + 1, 8 - 7 + 1)
+    layer, _, top = run_layer(conv_text("num_output: 6 kernel_size: 4 pad: 1 stride: 2 group: 3", "Deconvolution"),
+                              [rand(2, 3, 5, 4)])
+    assert layer.blobs[0].shape == (3, 2, 4, 4)
+    assert top[0].shape == (2, 6, (5 - 1) * 2 + 4 - 2, (4 - 1) * 2 + 4 - 2)
+
+
+def test_two_bottoms_share_weights():
+    x1, x2 = rand(2, 2, 5, 5, seed=1), rand(2, 2, 5, 5, seed=2)
+    layer, _, top = run_layer(conv_text("num_output: 3 kernel_size: 3"), [x1, x2], num_top=2)
+    w, b = layer.blobs[0].data, layer.blobs[1].data
+    np.testing.assert_allclose(top[1].data, ref_conv(x2, w, b, (1, 1), (0, 0), (1, 1), 1), atol=1e-10)
+    check_gradient(conv_text("num_output: 3 kernel_size: 3"), [x1, x2], num_top=2)
+
+
+def test_large_batch_uses_chunks_consistently():
+    # a batch big enough to be cut into several im2col chunks
+    from caffempi.backend import cpu
+    x = rand(64, 8, 12, 12)
+    layer, bottom, top = run_layer(conv_text("num_output: 6 kernel_size: 3 pad: 1 group: 2"), [x])
+    w = layer.blobs[0].data
+    old = cpu._COL_CHUNK_BYTES
+    try:
+        cpu._COL_CHUNK_BYTES = 1 << 10
+        y_small = cpu.conv2d_forward(x, w, layer.geom, 2)
+        dy = rand(*top[0].shape, seed=3)
+        gx_s, gw_s = cpu.conv2d_backward(x, w, dy, layer.geom, 2)
+        cpu._COL_CHUNK_BYTES = 1 << 30
+        y_big = cpu.conv2d_forward(x, w, layer.geom, 2)
+        gx_b, gw_b = cpu.conv2d_backward(x, w, dy, layer.geom, 2)
+    finally:
+        cpu._COL_CHUNK_BYTES = old
+    np.testing.assert_allclose(y_small, y_big, atol=1e-10)
+    np.testing.assert_allclose(gx_s, gx_b, atol=1e-10)
+    np.testing.assert_allclose(gw_s, gw_b, atol=1e-9)
+    np.testing.assert_allclose(y_big, top[0].data - layer.blobs[1].data.reshape(1, -1, 1, 1), atol=1e-10)
+
+
+def test_float32_forward():
+    x = rand(2, 3, 6, 6).astype(np.float32)
+    layer, _, top = run_layer(conv_text("num_output: 4 kernel_size: 3 pad: 1"), [x], dtype=np.float32)
+    assert top[0].data.dtype == np.float32
+    ref = ref_conv(x.astype(np.float64), layer.blobs[0].data.astype(np.float64),
+                   layer.blobs[1].data.astype(np.float64), (1, 1), (1, 1), (1, 1), 1)
+    np.testing.assert_allclose(top[0].data, ref, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("text,shape", [
+    ("num_output: 4 kernel_size: 3 group: 3", (1, 4, 5, 5)),          # group does not divide C
+    ("num_output: 4", (1, 4, 5, 5)),                                    # no kernel
+    ("num_output: 4 kernel_size: 3 kernel_h: 3 kernel_w: 3", (1, 4, 5, 5)),
+    ("num_output: 4 kernel_size: 3", (1, 4, 5, 5, 5)),                  # 3-D
+    ("num_output: 4 kernel_size: 3 kernel_size: 3 kernel_size: 3", (1, 4, 5, 5)),
+    ("num_output: 4 kernel_size: 7", (1, 4, 5, 5)),                     # too small input
+])
+def test_errors(text, shape):
+    with pytest.raises(CaffeError):
+        run_layer(conv_text(text), [np.zeros(shape)])
+
+
+def test_loaded_blob_shape_is_checked():
+    layer = make_layer(conv_text("num_output: 4 kernel_size: 3"))
+    layer.blobs = [Blob((4, 2, 3, 3), np, np.float64), Blob((4,), np, np.float64)]
+    with pytest.raises(CaffeError):
+        run_layer(layer, [np.zeros((1, 3, 5, 5))])
