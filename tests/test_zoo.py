@@ -46,7 +46,6 @@ def batch1_param(path):
     param = proto_io.read_net_param(str(path))
     shape = DATA_SHAPES.get(path.stem, DATA_SHAPES.get(path.parent.name + "/" + path.stem))
     param = substitute_data_layers(param, shape, only_unreadable=False, warn=False, batch_size=1)
-    param.force_backward = True
     for lp in param.layer:
         if lp.type == "Input":
             for s in lp.input_param.shape:

@@ -1,0 +1,81 @@
+"""Elastic averaging SGD over allreduce (``--sync=easgd --tau=10 --alpha=0.2``).
+
+Each rank steps on its own gradients (no gradient averaging); every ``tau``
+steps the ranks are pulled toward a centre variable that every rank keeps a
+copy of, kept identical by one allreduce.  This is Torch DistLearn's
+AllReduceEA (twitter/torch-distlearn, lua/AllReduceEA.lua,
+``averageParameters``), itself the synchronous form of Zhang, Choromanska and
+LeCun, "Deep learning with Elastic Averaging SGD" (arXiv:1412.6651):
+
+    step = step + 1
+    if step % tau == 0:
+        delta  = alpha * (param - center)     -- delta:add(param, -1, center):mul(alpha)
+        param  = param - delta                -- param:add(-1, delta)
+        delta  = allreduce_sum(delta)         -- tree.allReduce(delta, add)
+        center = center + delta               -- center:add(delta)
+
+All ranks start with equal params and the centre equal to them (the centre is
+a clone of the params at the first call).  ``synchronize`` is the
+counterpart of AllReduceEA's ``synchronizeCenter``: it applies the elastic
+move once more with the centre and then gives every rank the centre, so the
+snapshot and the test nets see one model.
+"""
+import numpy as np
+
+
+class ElasticAverager:
+    def __init__(self, world, tau=10, alpha=0.2):
+        if tau < 1:
+            raise ValueError("--tau must be >= 1")
+        self.world = world
+        self.tau = int(tau)
+        self.alpha = float(alpha)
+        self.step = 0
+        self.center = None
+        self.delta = None
+        self.rounds = 0
+
+    def _init(self, params):
+        if self.center is None:
+            self.center = params.copy()
+            self.delta = np.empty_like(params)
+
+    def after_update(self, params):
+        """Call after each local solver step with the flat parameter buffer
+        (``net.param_data``, updated in place).  Returns True when this step
+        was an averaging step."""
+        self._init(params)
+        self.step += 1
+        if self.step % self.tau:
+            return False
+        d = self.delta
+        np.subtract(params, self.center, out=d)
+        d *= params.dtype.type(self.alpha)
+        params -= d
+        self.world.allreduce_sum(d)
+        self.center += d
+        self.rounds += 1
+        return True
+
+    def synchronize(self, params):
+        """Every rank takes the centre as its parameters (all equal after)."""
+        self._init(params)
+        if self.world.size > 1:
+            # centres are identical on all ranks (same sums, same order);
+            # take rank 0's to be exact to the bit
+            self.world.bcast_array(self.center, 0)
+        params[...] = self.center
+        self.step = 0
+
+    # -- snapshot/restore of the centre with the solver state
+    def get_state(self):
+        return {"step": self.step, "rounds": self.rounds,
+                "center": None if self.center is None else self.center.copy()}
+
+    def set_state(self, state):
+        self.step = int(state.get("step", 0))
+        self.rounds = int(state.get("rounds", 0))
+        c = state.get("center")
+        if c is not None:
+            self.center = np.array(c, copy=True)
+            self.delta = np.empty_like(self.center)
