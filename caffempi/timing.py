@@ -43,10 +43,10 @@ def _image_shape(lp, data_shape):
 
 
 def substitute_data_layers(net_param, data_shape=None, only_unreadable=True, warn=True, batch_size=None):
-    """Replace file-reading data layers by DummyData of the same top shapes
-    (random images, labels 0), so any train_val net can be built and timed.
-    ``data_shape`` is the per-image shape when the prototxt does not say it;
-    ``batch_size`` overrides the layers' own."""
+    """Replace file-reading data layers by Input layers of the same top
+    shapes, so any train_val net can be built and timed; fill them with
+    :func:`randomize_inputs`.  ``data_shape`` is the per-image shape when the
+    prototxt does not say it; ``batch_size`` overrides the layers' own."""
     out = caffe_pb2.NetParameter()
     out.CopyFrom(net_param)
     for lp in out.layer:
@@ -57,20 +57,23 @@ def substitute_data_layers(net_param, data_shape=None, only_unreadable=True, war
         if warn:
             log.warning("layer '%s': data source unreadable, timing with random input of shape %s",
                         lp.name, " ".join(map(str, shapes[0])))
-        keep = caffe_pb2.LayerParameter(name=lp.name, type="DummyData")
+        keep = caffe_pb2.LayerParameter(name=lp.name, type="Input")
         keep.top.extend(lp.top)
         keep.include.extend(lp.include)
         keep.exclude.extend(lp.exclude)
-        dp = keep.dummy_data_param
-        for i, shape in enumerate(shapes):
-            dp.shape.add().dim.extend(shape)
-            f = dp.data_filler.add()
-            if i == 0:
-                f.type, f.std = "gaussian", 1.0
-            else:
-                f.type, f.value = "constant", 0
+        for shape in shapes:
+            keep.input_param.shape.add().dim.extend(shape)
         lp.CopyFrom(keep)
     return out
+
+
+def randomize_inputs(net, seed=0):
+    """Gaussian values in the first top of every Input layer; other tops
+    (labels) stay 0, a valid class for any classifier."""
+    rs = np.random.RandomState(seed)
+    for layer, tops in zip(net.layers, net.top_vecs):
+        if layer.type == "Input" and tops:
+            tops[0].data = net.xp.asarray(rs.standard_normal(tops[0].shape), net.dtype)
 
 
 def time_net(net, iterations=50, report=log.info):
@@ -150,6 +153,7 @@ def time_command(flags):
             raise CaffeError("--gpu needs CuPy and a CUDA device; CuPy is not installed")
     net = Net(param, phase=phase, level=int(getattr(flags, "level", 0) or 0), stages=stages,
               weights=getattr(flags, "weights", None) or None, xp=xp, source_name=model)
+    randomize_inputs(net)
     iterations = int(getattr(flags, "iterations", None) or 50)
     time_net(net, iterations)
     return 0

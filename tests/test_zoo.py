@@ -5,7 +5,7 @@ import pytest
 
 from caffempi import Net, TEST, TRAIN
 from caffempi.io import proto_io
-from caffempi.timing import substitute_data_layers
+from caffempi.timing import randomize_inputs, substitute_data_layers
 
 # Per-image shape of the data layers whose prototxt does not say it (no crop).
 DATA_SHAPES = {
@@ -72,6 +72,7 @@ def test_every_zoo_net_runs_forward_backward(zoo):
         for phase in (TRAIN, TEST):
             stages = TEST_STAGES.get(path.stem, []) if phase == TEST else []
             net = Net(batch1_param(path), phase=phase, stages=stages, source_name=str(path))
+            randomize_inputs(net)
             loss = net.forward_range()
             net.clear_param_diffs()
             net.backward_range()

@@ -14,8 +14,10 @@ LeCun, "Deep learning with Elastic Averaging SGD" (arXiv:1412.6651):
         delta  = allreduce_sum(delta)         -- tree.allReduce(delta, add)
         center = center + delta               -- center:add(delta)
 
-All ranks start with equal params and the centre equal to them (the centre is
-a clone of the params at the first call).  ``synchronize`` is the
+All ranks start with equal params and the centre equal to them: ``start``
+clones the centre from the broadcast initial weights, before the first local
+step (AllReduceEA clones it lazily at its first call, after a step, which its
+AllReduceEA.md says is meant to be "the same params and the same center").  ``synchronize`` is the
 counterpart of AllReduceEA's ``synchronizeCenter``: it applies the elastic
 move once more with the centre and then gives every rank the centre, so the
 snapshot and the test nets see one model.
@@ -39,6 +41,12 @@ class ElasticAverager:
         if self.center is None:
             self.center = params.copy()
             self.delta = np.empty_like(params)
+
+    def start(self, params):
+        """Centre := the (identical) initial parameters of every rank."""
+        self.center = params.copy()
+        self.delta = np.empty_like(params)
+        self.step = 0
 
     def after_update(self, params):
         """Call after each local solver step with the flat parameter buffer

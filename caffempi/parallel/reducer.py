@@ -70,7 +70,10 @@ class MPIHostTransport:
     def __init__(self, world, mode="overlap"):
         self.world = world
         self.MPI = world.MPI
-        self.comm = world.comm
+        # Gradient traffic gets its own communicator: the solver's blocking
+        # collectives (displayed losses, actions) on COMM_WORLD may then run
+        # while buckets are in flight, from another thread too (--comm=thread).
+        self.comm = world.comm.Dup()
         self.mode = mode
         self.name = "mpi-host-" + mode
         self._pending = []
@@ -135,6 +138,12 @@ class MPIHostTransport:
             self._queue.put(None)
             self._thread.join(timeout=5)
             self._thread = None
+        if self.comm is not None:
+            try:
+                self.comm.Free()
+            except Exception:
+                pass
+            self.comm = None
 
 
 def make_transport(world, mode="overlap"):
@@ -210,6 +219,7 @@ class Reducer:
         self._handles = []
         self._pass = 0
         self._armed = False
+        self._explicit = False
         # timings of the last iteration (seconds)
         self.last_exposed = 0.0       # wait in finish() after backward
         self.last_comm = 0.0          # time inside blocking allreduce calls
@@ -264,13 +274,20 @@ class Reducer:
         if self.net is not net:
             self.attach(net, self.iter_size)
         self._pass = 0
+        self._explicit = False
         self._armed = self.iter_size == 1
         self._handles = []
         self._comm0 = getattr(self.transport, "comm_seconds", 0.0)
 
+    def before_pass(self, net, index, last):
+        """The solver says which forward/backward pass is the iteration's
+        last: only its backward starts the allreduces."""
+        self._explicit = True
+        self._armed = bool(last)
+
     def _hook(self, layer_index):
-        if layer_index == self._top_layer:       # first hook of a backward pass
-            self._pass += 1
+        if layer_index == self._top_layer and not self._explicit:
+            self._pass += 1                      # first hook of a backward pass
             self._armed = self._pass >= self.iter_size
         if not self._armed:
             return
@@ -322,6 +339,25 @@ class Reducer:
     def any(self, flag):
         """True on every rank if flag is true on any rank."""
         return self.world.any(flag) if self.active else bool(flag)
+
+    def combine_action(self, action):
+        """The signal action all ranks take (SIGINT/SIGHUP reach the ranks at
+        different moments): STOP if any rank asks to stop, else SNAPSHOT if
+        any asks for one, else NONE (Caffe's SolverAction values 1 and 2)."""
+        if not self.active:
+            return action
+        stop, snap = self.world.allreduce_scalars([1.0 if action == 1 else 0.0,
+                                                   1.0 if action == 2 else 0.0], "max")
+        return 1 if stop else (2 if snap else 0)
+
+    def gather_object(self, obj):
+        """Per-rank objects in rank order on rank 0 (None elsewhere)."""
+        if not self.active:
+            return [obj]
+        return self.world.comm.gather(obj, root=0)
+
+    def split_test_iters(self, n):
+        return self.test_share(n)
 
     # -------------------------------------------------------------- testing
     def test_share(self, test_iter):

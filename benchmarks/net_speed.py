@@ -1,0 +1,68 @@
+"""Forward-backward time per net and per layer (CPU), like `caffe time`.
+
+    python benchmarks/net_speed.py [--iterations 20] [--threads 1,2]
+
+Each thread count runs in a fresh process (BLAS reads its thread count at
+load).  Prints one table per net and thread count, plus a summary."""
+import argparse
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+NETS = [
+    ("LeNet", "models/mnist/lenet_train_test.prototxt", (1, 28, 28), 64),
+    ("CIFAR10-quick", "models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32), 100),
+]
+
+
+def measure(model, shape, batch, iterations):
+    """Runs in the child: build the net with random input, time it."""
+    sys.path.insert(0, str(REPO))
+    from caffempi import Net, TRAIN
+    from caffempi.io import proto_io
+    from caffempi.timing import randomize_inputs, substitute_data_layers, time_net
+    param = proto_io.read_net_param(str(REPO / model))
+    param = substitute_data_layers(param, shape, only_unreadable=False, warn=False, batch_size=batch)
+    net = Net(param, phase=TRAIN)
+    randomize_inputs(net)
+    for _ in range(3):  # warm-up
+        net.forward_backward()
+    return time_net(net, iterations, report=lambda *a: None)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--iterations", type=int, default=20)
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--child", help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        name, model, shape, batch = json.loads(args.child)
+        print(json.dumps(measure(model, tuple(shape), batch, args.iterations)))
+        return
+    summary = []
+    for threads in [int(t) for t in args.threads.split(",")]:
+        env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                   MKL_NUM_THREADS=str(threads))
+        for name, model, shape, batch in NETS:
+            out = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
+                                  "--child", json.dumps([name, model, shape, batch])],
+                                 env=env, check=True, capture_output=True, text=True).stdout
+            r = json.loads(out.strip().splitlines()[-1])
+            print("\n%s, batch %d, %d BLAS thread(s): forward %.2f ms, backward %.2f ms, total %.2f ms"
+                  % (name, batch, threads, r["forward_ms"], r["backward_ms"], r["forward_backward_ms"]))
+            print("  %-14s %10s %10s" % ("layer", "fwd ms", "bwd ms"))
+            for layer, (f, b) in r["layers"].items():
+                print("  %-14s %10.3f %10.3f" % (layer, f, b))
+            summary.append((name, batch, threads, r["forward_backward_ms"]))
+    print("\nSummary (forward+backward ms per iteration)")
+    print("  %-14s %6s %8s %10s" % ("net", "batch", "threads", "ms"))
+    for name, batch, threads, ms in summary:
+        print("  %-14s %6d %8d %10.2f" % (name, batch, threads, ms))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,334 @@
+"""``caffempi <command> [flags]``: the caffe binary's commands and flags
+(tools/caffe.cpp): train, test, time, device_query.
+
+Flags are gflags style: ``--flag=value``, ``--flag value``, ``-flag value``
+and ``-flag=value``; boolean flags also as ``--flag`` / ``--noflag``.  A
+flag is one :func:`define_flag` line; a command is one ``COMMANDS`` entry.
+
+Errors a user can cause (CaffeError, ProtoError, OSError, KeyboardInterrupt)
+print ``caffempi: error: <message>`` on one line and exit 1; ``--debug``
+shows the traceback instead.
+"""
+import signal
+import sys
+from collections import OrderedDict
+
+from .common import CaffeError, TEST, init_logging, log
+from .io.proto_io import ProtoError
+
+PROG = "caffempi"
+
+
+# ------------------------------------------------------------------- flags
+class Flag:
+    def __init__(self, name, default, help, kind):
+        self.name, self.default, self.help, self.kind = name, default, help, kind
+
+
+FLAGS = OrderedDict()
+
+
+def define_flag(name, default, help, kind=None):
+    """Register ``--name`` (kind: str, int, float or bool; default's type)."""
+    FLAGS[name] = Flag(name, default, help, kind or type(default))
+
+
+define_flag("solver", "", "The solver definition protocol buffer text file.")
+define_flag("model", "", "The model definition protocol buffer text file.")
+define_flag("phase", "", "Optional; network phase (TRAIN or TEST). Only used for 'time'.")
+define_flag("level", 0, "Optional; network level.")
+define_flag("stage", "", "Optional; network stages (not to be confused with phase), separated by ','.")
+define_flag("snapshot", "", "Optional; the snapshot solver state to resume training.")
+define_flag("weights", "", "Optional; the pretrained weights to initialize finetuning, separated by ','. "
+            "Cannot be set simultaneously with snapshot.")
+define_flag("gpu", "", "Optional; run in GPU mode on given device IDs separated by ','. "
+            "Use '-gpu all' to run on all available GPUs.")
+define_flag("iterations", 50, "The number of iterations to run.")
+define_flag("sigint_effect", "stop", "Optional; action to take when a SIGINT signal is received: "
+            "snapshot, stop or none.")
+define_flag("sighup_effect", "snapshot", "Optional; action to take when a SIGHUP signal is received: "
+            "snapshot, stop or none.")
+define_flag("debug", False, "Show Python tracebacks instead of one-line errors.")
+
+
+class Flags:
+    """Parsed flag values as attributes (``flags.solver``)."""
+
+    def __init__(self, values):
+        self.__dict__.update(values)
+
+    def __repr__(self):
+        return "Flags(%r)" % self.__dict__
+
+
+def _convert(flag, text):
+    if flag.kind is bool:
+        low = text.lower()
+        if low in ("1", "true", "yes", "t", "y"):
+            return True
+        if low in ("0", "false", "no", "f", "n"):
+            return False
+        raise CaffeError("invalid value for --%s: '%s' (true or false)" % (flag.name, text))
+    try:
+        return flag.kind(text)
+    except ValueError:
+        raise CaffeError("invalid value for --%s: '%s' (%s expected)"
+                         % (flag.name, text, flag.kind.__name__)) from None
+
+
+def parse_args(argv):
+    """(command or None, Flags, wants_help) from the argument list."""
+    values = {name: f.default for name, f in FLAGS.items()}
+    positional = []
+    wants_help = False
+    i = 0
+    while i < len(argv):
+        arg = argv[i]
+        i += 1
+        if arg == "--":
+            positional.extend(argv[i:])
+            break
+        if not arg.startswith("-") or arg == "-":
+            positional.append(arg)
+            continue
+        body = arg.lstrip("-")
+        name, eq, value = body.partition("=")
+        if name in ("help", "h", "helpfull"):
+            wants_help = True
+            continue
+        flag = FLAGS.get(name)
+        if flag is None and name.startswith("no") and name[2:] in FLAGS \
+                and FLAGS[name[2:]].kind is bool and not eq:
+            values[name[2:]] = False
+            continue
+        if flag is None:
+            raise CaffeError("unknown flag %s (see '%s --help')" % ("-" * (len(arg) - len(body)) + name, PROG))
+        if not eq:
+            if flag.kind is bool:
+                values[name] = True
+                continue
+            if i >= len(argv):
+                raise CaffeError("flag --%s needs a value" % name)
+            value = argv[i]
+            i += 1
+        values[name] = _convert(flag, value)
+    if len(positional) > 1:
+        raise CaffeError("expected one command, got: %s" % " ".join(positional))
+    command = positional[0] if positional else None
+    if command == "help":
+        command, wants_help = None, True
+    return command, Flags(values), wants_help
+
+
+def usage():
+    lines = ["usage: %s <command> <args>" % PROG, "", "commands:",
+             "  train           train or finetune a model",
+             "  test            score a model",
+             "  device_query    show GPU diagnostic information",
+             "  time            benchmark model execution time", "", "flags:"]
+    for f in FLAGS.values():
+        default = ("" if f.kind is bool else " (default: %r)" % (f.default,))
+        lines.append("  --%-16s %s%s" % (f.name, f.help, default))
+    return "\n".join(lines)
+
+
+# ----------------------------------------------------------------- helpers
+def get_stages(flags):
+    return [s for s in flags.stage.split(",") if s] if flags.stage else []
+
+
+def select_backend(flags, solver_param=None):
+    """The array module for this run: CuPy on --gpu (or solver_mode: GPU
+    when CuPy works), else NumPy."""
+    import numpy as np
+    from .backend import cupy_or_none
+    gpu = flags.gpu
+    if not gpu and solver_param is not None and solver_param.HasField("solver_mode") \
+            and solver_param.solver_mode == solver_param.GPU:
+        if cupy_or_none() is None:
+            log.warning("solver_mode is GPU but no usable GPU (CuPy) was found; running on the CPU")
+            return np
+        gpu = str(solver_param.device_id)
+    if not gpu:
+        return np
+    cp = cupy_or_none()
+    if cp is None:
+        raise CaffeError("--gpu=%s: no usable GPU (CuPy with a working CUDA device is required)" % gpu)
+    if gpu == "all":
+        device = 0
+    else:
+        try:
+            ids = [int(g) for g in gpu.split(",") if g]
+        except ValueError:
+            raise CaffeError("invalid --gpu value '%s' (device ids separated by ',' or 'all')" % gpu) from None
+        if len(ids) > 1:
+            log.warning("one process uses one GPU; using device %d (run one MPI rank per GPU)", ids[0])
+        device = ids[0]
+    cp.cuda.Device(device).use()
+    log.info("Using GPU %d", device)
+    return cp
+
+
+class SignalHandler:
+    """Caffe's SignalHandler: SIGINT/SIGHUP set a flag; the solver polls
+    ``get_action`` after each iteration (and test batch) and acts then."""
+
+    def __init__(self, sigint_effect, sighup_effect):
+        from .solvers import SolverAction
+        self.sigint_action = SolverAction.from_name(sigint_effect)
+        self.sighup_action = SolverAction.from_name(sighup_effect)
+        self.got_sigint = self.got_sighup = False
+        self._old = {}
+        for sig in (signal.SIGINT, getattr(signal, "SIGHUP", None)):
+            if sig is None:
+                continue
+            try:
+                self._old[sig] = signal.signal(sig, self._handle)
+            except ValueError:  # not the main thread
+                pass
+
+    def _handle(self, signum, frame):
+        if signum == signal.SIGINT:
+            self.got_sigint = True
+        else:
+            self.got_sighup = True
+
+    def get_action(self):
+        from .solvers import SolverAction
+        if self.got_sigint:
+            self.got_sigint = False
+            return self.sigint_action
+        if self.got_sighup:
+            self.got_sighup = False
+            return self.sighup_action
+        return SolverAction.NONE
+
+    def restore(self):
+        for sig, old in self._old.items():
+            signal.signal(sig, old)
+        self._old = {}
+
+
+# ---------------------------------------------------------------- commands
+def train(flags):
+    from .solvers import get_solver, read_solver
+    if not flags.solver:
+        raise CaffeError("Need a solver definition to train (--solver).")
+    if flags.snapshot and flags.weights:
+        raise CaffeError("Give a snapshot to resume training or weights to finetune but not both.")
+    # Validate the signal effects before anything runs.
+    from .solvers import SolverAction
+    SolverAction.from_name(flags.sigint_effect)
+    SolverAction.from_name(flags.sighup_effect)
+    param = read_solver(flags.solver)
+    param.train_state.level = flags.level
+    param.train_state.stage.extend(get_stages(flags))
+    del param.weights[:]
+    if flags.weights and not flags.snapshot:
+        param.weights.append(flags.weights)
+    xp = select_backend(flags, param)
+    handler = SignalHandler(flags.sigint_effect, flags.sighup_effect)
+    try:
+        solver = get_solver(param, xp=xp, source=flags.solver)
+        solver.set_action_function(handler.get_action)
+        if flags.snapshot:
+            log.info("Resuming from %s", flags.snapshot)
+            solver.restore(flags.snapshot)
+        log.info("Starting Optimization")
+        solver.solve()
+    finally:
+        handler.restore()
+    return 0
+
+
+def test(flags):
+    import numpy as np
+    from .backend import to_numpy
+    from .net import Net
+    from .solvers.solver import fmt
+    if not flags.model:
+        raise CaffeError("Need a model definition to score (--model).")
+    if not flags.weights:
+        raise CaffeError("Need model weights to score (--weights).")
+    xp = select_backend(flags)
+    import os
+    if not os.path.exists(flags.model):
+        raise CaffeError("model file %s does not exist" % flags.model)
+    for w in flags.weights.split(","):
+        if w and not os.path.exists(w):
+            raise CaffeError("weights file %s does not exist" % w)
+    net = Net(flags.model, phase=TEST, level=flags.level, stages=get_stages(flags),
+              weights=flags.weights, xp=xp)
+    log.info("Running for %d iterations.", flags.iterations)
+    scores, names, weights = [], [], []
+    loss = 0.0
+    for i in range(flags.iterations):
+        loss += net.forward_range()
+        idx = 0
+        for name, vals, w in net.output_values():
+            for v in to_numpy(vals).ravel():
+                v = float(v)
+                if i == 0:
+                    scores.append(v)
+                    names.append(name)
+                    weights.append(w)
+                else:
+                    scores[idx] += v
+                idx += 1
+                log.info("Batch %d, %s = %s", i, name, fmt(v))
+    n = max(flags.iterations, 1)
+    log.info("Loss: %s", fmt(loss / n))
+    for s, name, w in zip(scores, names, weights):
+        mean = s / n
+        extra = (" (* %s = %s loss)" % (fmt(w), fmt(np.float32(w) * np.float32(mean)))) if w else ""
+        log.info("%s = %s%s", name, fmt(mean), extra)
+    return 0
+
+
+def _lazy(module, func):
+    def run(flags):
+        import importlib
+        return getattr(importlib.import_module(module), func)(flags)
+    return run
+
+
+COMMANDS = OrderedDict([
+    ("train", train),
+    ("test", test),
+    ("time", _lazy("caffempi.timing", "time_command")),
+    ("device_query", _lazy("caffempi.timing", "device_query_command")),
+])
+
+
+def main(argv=None):
+    argv = list(sys.argv[1:] if argv is None else argv)
+    debug = any(a.lstrip("-").split("=")[0] == "debug" and a.startswith("-")
+                and a.partition("=")[2].lower() not in ("0", "false", "no")
+                for a in argv)
+    try:
+        command, flags, wants_help = parse_args(argv)
+        debug = flags.debug
+        if wants_help:
+            print(usage())
+            return 0
+        if command is None:
+            raise CaffeError("no command given (train, test, time or device_query; see '%s --help')" % PROG)
+        if command not in COMMANDS:
+            raise CaffeError("unknown command '%s' (%s)" % (command, ", ".join(COMMANDS)))
+        init_logging()
+        return COMMANDS[command](flags) or 0
+    except (CaffeError, ProtoError, OSError) as e:
+        if debug:
+            raise
+        msg = " ".join(str(e).split()) or e.__class__.__name__
+        print("%s: error: %s" % (PROG, msg), file=sys.stderr)
+        return 1
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("%s: error: interrupted" % PROG, file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -1,0 +1,108 @@
+"""Caffe's solvers: SGD, Nesterov, AdaGrad, RMSProp, AdaDelta, Adam.
+
+``get_solver(path_or_param)`` builds the solver named by the parameter's
+``type`` (or legacy ``solver_type``), as Caffe's SolverRegistry does;
+``SGDSolver(path)`` etc. build one type directly, as in pycaffe.
+"""
+import os
+
+from ..common import CaffeError
+from ..io import proto_io
+from ..io.proto_io import ProtoError
+from ..proto import caffe_pb2
+from . import updates
+from .solver import LocalReducer, Solver, SolverAction, read_solver
+
+__all__ = ["get_solver", "Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver",
+           "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "LocalReducer", "SolverAction",
+           "SOLVER_TYPES", "read_solver"]
+
+
+class SGDSolver(Solver):
+    """Stochastic gradient descent with momentum (sgd_solver.cpp)."""
+    type = "SGD"
+
+    def compute_update_value(self, rate):
+        updates.sgd(self.xp, self.net.param_diff, self.history[0], self._tmp,
+                    self.local_rate(rate), self.param.momentum)
+
+
+class NesterovSolver(SGDSolver):
+    """Nesterov's accelerated gradient (nesterov_solver.cpp)."""
+    type = "Nesterov"
+
+    def compute_update_value(self, rate):
+        updates.nesterov(self.xp, self.net.param_diff, self.history[0], self._tmp,
+                         self.local_rate(rate), self.param.momentum)
+
+
+class AdaGradSolver(SGDSolver):
+    """AdaGrad (adagrad_solver.cpp)."""
+    type = "AdaGrad"
+
+    def _check_solver_param(self):
+        if self.param.momentum != 0:
+            raise CaffeError("Momentum cannot be used with AdaGrad.")
+
+    def compute_update_value(self, rate):
+        updates.adagrad(self.xp, self.net.param_diff, self.history[0], self._tmp,
+                        self.local_rate(rate), self.param.delta)
+
+
+class RMSPropSolver(SGDSolver):
+    """RMSProp (rmsprop_solver.cpp)."""
+    type = "RMSProp"
+
+    def _check_solver_param(self):
+        p = self.param
+        if p.momentum != 0:
+            raise CaffeError("Momentum cannot be used with RMSProp.")
+        if not 0 <= p.rms_decay < 1:
+            raise CaffeError("rms_decay should lie between 0 and 1, got %g" % p.rms_decay)
+
+    def compute_update_value(self, rate):
+        updates.rmsprop(self.xp, self.net.param_diff, self.history[0], self._tmp,
+                        self.local_rate(rate), self.param.rms_decay, self.param.delta)
+
+
+class AdaDeltaSolver(SGDSolver):
+    """AdaDelta (adadelta_solver.cpp); history: gradients then updates."""
+    type = "AdaDelta"
+    num_history = 2
+
+    def compute_update_value(self, rate):
+        updates.adadelta(self.xp, self.net.param_diff, self.history[0], self.history[1], self._tmp,
+                         self.local_rate(rate), self.param.momentum, self.param.delta)
+
+
+class AdamSolver(SGDSolver):
+    """Adam (adam_solver.cpp); history: first moments then second moments."""
+    type = "Adam"
+    num_history = 2
+
+    def compute_update_value(self, rate):
+        p = self.param
+        updates.adam(self.xp, self.net.param_diff, self.history[0], self.history[1], self._tmp,
+                     self.local_rate(rate), p.momentum, p.momentum2, p.delta, self.iter + 1)
+
+
+SOLVER_TYPES = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver,
+                                           RMSPropSolver, AdaDeltaSolver, AdamSolver)}
+
+
+def get_solver(param, **kwargs):
+    """The solver of the parameter's type, from a path or a SolverParameter."""
+    if isinstance(param, caffe_pb2.SolverParameter):
+        p = caffe_pb2.SolverParameter()
+        p.CopyFrom(param)
+        try:
+            proto_io.upgrade_solver_param(p, kwargs.get("source") or "<SolverParameter>")
+        except ProtoError as e:
+            raise CaffeError(str(e)) from None
+    else:
+        kwargs["source"] = os.fspath(param)
+        p = read_solver(param)
+    cls = SOLVER_TYPES.get(p.type)
+    if cls is None:
+        raise CaffeError("unknown solver type '%s' (known: %s)" % (p.type, ", ".join(SOLVER_TYPES)))
+    return cls(p, **kwargs)

@@ -1,0 +1,831 @@
+"""The training loop: Caffe's Solver (solver.cpp) and SGDSolver's shared parts
+(sgd_solver.cpp): nets from a SolverParameter, Step/Solve, testing, display,
+snapshots and restore.  The update rules live in the subclasses (see
+``caffempi.solvers``) and in :mod:`caffempi.solvers.updates`.
+"""
+import json
+import math
+import os
+import time
+
+import numpy as np
+from google.protobuf import text_format
+
+from .. import common
+from ..backend import to_numpy
+from ..common import CaffeError, TEST, TRAIN, log
+from ..io import proto_io
+from ..io.proto_io import ProtoError
+from ..net import Net
+from ..proto import caffe_pb2
+from . import lr_policy
+
+f32 = np.float32
+
+
+class SolverAction:
+    """What a signal asks of the solver (Caffe's SolverAction::Enum)."""
+    NONE = 0
+    STOP = 1
+    SNAPSHOT = 2
+
+    @staticmethod
+    def from_name(name):
+        try:
+            return {"none": SolverAction.NONE, "stop": SolverAction.STOP,
+                    "snapshot": SolverAction.SNAPSHOT}[name]
+        except KeyError:
+            raise CaffeError("invalid signal effect '%s' (stop, snapshot or none)" % name)
+
+
+def fmt(v):
+    """A number as C++'s ostream prints a float (precision 6, %g)."""
+    return "%.6g" % float(v)
+
+
+class LocalReducer:
+    """The single-process reducer: every hook is a no-op.
+
+    This is the whole interface the MPI layer implements (one object per
+    process, ``solver.reducer``).  Every method is called by every rank at the
+    same point of the loop, so each one may be a collective:
+
+    ``rank``, ``size``
+        This process's rank and the number of ranks.  Only rank 0 logs INFO
+        lines and writes snapshots (``solver.is_root``).
+    ``broadcast_params(net)``
+        Once, before the first iteration of the first ``step``: make every
+        rank's ``net.param_data`` equal to rank 0's.
+    ``start_iteration(net, iter_size)``
+        Once per iteration, after the diffs were zeroed, before the first of
+        the ``iter_size`` forward/backward passes (e.g. to reset bucket state).
+    ``before_pass(net, index, last)``
+        Before each forward/backward pass; ``last`` is True for the final pass
+        of the iteration, whose backward may start overlapped allreduces (via
+        ``net.add_backward_hook``).
+    ``finish(net)``
+        After the last pass; returns once ``net.param_diff`` holds the mean
+        over ranks of each rank's summed (not yet iter_size-normalized)
+        gradient.  Clipping, normalization, decay and the update follow.
+    ``mean_scalars(values)`` -> list
+        Element-wise mean over ranks of a list of floats (display lines).
+    ``sum_scalars(values)`` -> list
+        Element-wise sum over ranks (test scores, loss and batch counts).
+    ``split_test_iters(n)`` -> int
+        How many of a test net's ``n`` batches this rank runs.
+    ``combine_action(action)`` -> SolverAction value
+        The action all ranks agree on (called once per iteration and once per
+        test batch; e.g. the maximum over ranks).
+    ``gather_object(obj)`` -> list
+        The per-rank JSON-serialisable objects, in rank order, on rank 0 (any
+        value on other ranks): the data position and random state of every
+        rank go into the snapshot, so a resume with the same number of ranks
+        is exact.
+    """
+
+    rank = 0
+    size = 1
+
+    def broadcast_params(self, net):
+        pass
+
+    def start_iteration(self, net, iter_size):
+        pass
+
+    def before_pass(self, net, index, last):
+        pass
+
+    def finish(self, net):
+        pass
+
+    def mean_scalars(self, values):
+        return [float(v) for v in values]
+
+    def sum_scalars(self, values):
+        return [float(v) for v in values]
+
+    def split_test_iters(self, n):
+        return n
+
+    def combine_action(self, action):
+        return action
+
+    def gather_object(self, obj):
+        return [obj]
+
+
+# -------------------------------------------------------------- solver files
+def read_solver(path):
+    """Read a solver prototxt as Caffe's ReadSolverParamsFromTextFileOrDie:
+    legacy solver_type upgraded, a missing snapshot_prefix set from the file
+    name, a directory prefix completed with the file's stem."""
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise CaffeError("solver file %s does not exist" % path)
+    try:
+        param = proto_io.read_solver_param(path)
+    except ProtoError as e:
+        raise CaffeError(str(e)) from None
+    upgrade_snapshot_prefix(param, path)
+    return param
+
+
+def upgrade_snapshot_prefix(param, path):
+    stem = os.path.splitext(os.path.basename(path))[0]
+    if not param.HasField("snapshot_prefix"):
+        param.snapshot_prefix = os.path.splitext(path)[0]
+    elif param.snapshot_prefix.endswith(os.sep) or os.path.isdir(param.snapshot_prefix):
+        param.snapshot_prefix = os.path.join(param.snapshot_prefix, stem)
+
+
+def _rng_state_to_json(state):
+    name, keys, pos, has_gauss, cached = state
+    return [name, [int(k) for k in np.asarray(keys)], int(pos), int(has_gauss), float(cached)]
+
+
+def _rng_state_from_json(obj):
+    name, keys, pos, has_gauss, cached = obj
+    return (str(name), np.asarray(keys, dtype=np.uint32), int(pos), int(has_gauss), float(cached))
+
+
+class Solver:
+    """Base solver: Caffe's Solver + SGDSolver's shared parts.
+
+    ``Solver(param_or_path, xp=numpy, reducer=None, weights=None, source=None)``
+
+    pycaffe-like API: ``step(n)``, ``solve(resume_file=None)``, ``net``,
+    ``test_nets``, ``iter``, ``snapshot()``, ``restore(path)``, ``test(i)``.
+
+    Seams for the MPI layer (layers and solvers never call MPI): ``reducer``
+    (see :class:`LocalReducer` for the full interface), ``is_root`` (rank 0
+    only logs and writes snapshots) and :meth:`test`, whose ``iterations``
+    argument (default ``reducer.split_test_iters(test_iter)``) is this rank's
+    share of a test pass; scores are combined with ``reducer.sum_scalars``.
+    ``set_action_function(fn)`` installs the signal poller (Caffe's
+    SetActionFunction).
+    """
+
+    type = None          # Caffe's solver type name
+    num_history = 1      # flat history buffers per learnable parameter set
+
+    def __init__(self, param, xp=None, reducer=None, weights=None, source=None):
+        if isinstance(param, caffe_pb2.SolverParameter):
+            p = caffe_pb2.SolverParameter()
+            p.CopyFrom(param)
+            try:
+                proto_io.upgrade_solver_param(p, source or "<SolverParameter>")
+            except ProtoError as e:
+                raise CaffeError(str(e)) from None
+            param = p
+        else:
+            source = os.fspath(param)
+            param = read_solver(source)
+        self.param = param
+        self.source = source
+        self.xp = xp if xp is not None else np
+        self.reducer = reducer if reducer is not None else LocalReducer()
+        self.action_function = None
+        self.requested_early_exit = False
+        self.iter = 0
+        self.current_step = 0
+        self.smoothed_loss = 0.0
+        self._losses = []
+        self._loss_base = 0
+        self._pending_window = None
+        self._params_synced = False
+        self.test_scores = []
+
+        self._info("Initializing solver from parameters: \n%s",
+                   text_format.MessageToString(param).rstrip())
+        self._check_param()
+        if param.random_seed >= 0:
+            common.set_random_seed(param.random_seed + self.reducer.rank)
+        self._check_snapshot_write_permissions()
+        self.net = self._init_train_net()
+        self.test_nets = self._init_test_nets()
+        names = list(param.weights)
+        if weights:
+            names += [weights] if isinstance(weights, str) else list(weights)
+        for entry in names:
+            for w in str(entry).split(","):
+                if w:
+                    self._info("Finetuning from %s", w)
+                    self._load_weights(w)
+        for tn in self.test_nets:
+            tn.share_weights(self.net)
+        self.test_scores = [[] for _ in self.test_nets]
+        self._info("Solver scaffolding done.")
+        self._init_buffers()
+
+    # ------------------------------------------------------------ properties
+    @property
+    def is_root(self):
+        return self.reducer.rank == 0
+
+    def _info(self, msg, *args):
+        if self.is_root:
+            log.info(msg, *args, stacklevel=2)
+
+    def _warn(self, msg, *args):
+        if self.is_root:
+            log.warning(msg, *args, stacklevel=2)
+
+    # --------------------------------------------------------------- checks
+    def _check_param(self):
+        p = self.param
+        if p.average_loss < 1:
+            raise CaffeError("average_loss should be >= 1, got %d" % p.average_loss)
+        if p.iter_size < 1:
+            raise CaffeError("iter_size should be >= 1, got %d" % p.iter_size)
+        if p.weight_decay and p.regularization_type not in ("L1", "L2"):
+            raise CaffeError("unknown regularization_type '%s' (L1 or L2)" % p.regularization_type)
+        lr_policy.check_policy(p)
+        self._check_solver_param()
+
+    def _check_solver_param(self):
+        """Solver-type specific sanity checks (overridden)."""
+
+    def _check_snapshot_write_permissions(self):
+        p = self.param
+        if not (self.is_root and p.snapshot):
+            return
+        if not p.snapshot_prefix:
+            raise CaffeError("snapshot is specified but snapshot_prefix is not")
+        probe = self._snapshot_filename(".tempfile")
+        try:
+            with open(probe, "w"):
+                pass
+            os.remove(probe)
+        except OSError:
+            raise CaffeError("cannot write to snapshot prefix '%s'; make sure that the directory "
+                             "exists and is writable" % p.snapshot_prefix) from None
+
+    # ----------------------------------------------------------------- nets
+    def _resolve(self, path):
+        """A path as given (Caffe: relative to the working directory), else
+        relative to the solver file's directory."""
+        if os.path.exists(path) or not self.source or os.path.isabs(path):
+            return path
+        alt = os.path.join(os.path.dirname(self.source), path)
+        return alt if os.path.exists(alt) else path
+
+    def _read_net(self, path):
+        path = self._resolve(path)
+        if not os.path.exists(path):
+            raise CaffeError("net file %s does not exist" % path)
+        try:
+            return proto_io.read_net_param(path), path
+        except ProtoError as e:
+            raise CaffeError(str(e)) from None
+
+    def _make_net(self, net_param, state, source):
+        net_param.state.CopyFrom(state)
+        try:
+            return Net(net_param, phase=state.phase, level=state.level, stages=list(state.stage),
+                       xp=self.xp, source_name=source,
+                       data_shard=(self.reducer.rank, self.reducer.size))
+        except ProtoError as e:
+            raise CaffeError(str(e)) from None
+
+    def _init_train_net(self):
+        p = self.param
+        n = sum(p.HasField(f) for f in ("net", "net_param", "train_net", "train_net_param"))
+        fields = "net, net_param, train_net, train_net_param"
+        if n < 1:
+            raise CaffeError("SolverParameter must specify a train net using one of these fields: " + fields)
+        if n > 1:
+            raise CaffeError("SolverParameter must not contain more than one of these fields "
+                             "specifying a train net: " + fields)
+        if p.HasField("train_net_param"):
+            self._info("Creating training net specified in train_net_param.")
+            net_param, src = caffe_pb2.NetParameter(), "train_net_param"
+            net_param.CopyFrom(p.train_net_param)
+        elif p.HasField("train_net"):
+            self._info("Creating training net from train_net file: %s", p.train_net)
+            net_param, src = self._read_net(p.train_net)
+        elif p.HasField("net_param"):
+            self._info("Creating training net specified in net_param.")
+            net_param, src = caffe_pb2.NetParameter(), "net_param"
+            net_param.CopyFrom(p.net_param)
+        else:
+            self._info("Creating training net from net file: %s", p.net)
+            net_param, src = self._read_net(p.net)
+        state = caffe_pb2.NetState(phase=TRAIN)
+        state.MergeFrom(net_param.state)
+        state.MergeFrom(p.train_state)
+        return self._make_net(net_param, state, src)
+
+    def _init_test_nets(self):
+        p = self.param
+        has_net_param, has_net_file = p.HasField("net_param"), p.HasField("net")
+        generic = has_net_param + has_net_file
+        num_specific = len(p.test_net_param) + len(p.test_net)
+        if generic:
+            if len(p.test_iter) < num_specific:
+                raise CaffeError("test_iter must be specified for each test network "
+                                 "(%d test_iter for %d test nets)" % (len(p.test_iter), num_specific))
+        elif len(p.test_iter) != num_specific:
+            if num_specific == 0:
+                raise CaffeError("test_iter is given but the solver has no test net "
+                                 "(test_net, test_net_param, net or net_param)")
+            raise CaffeError("test_iter must be specified for each test network "
+                             "(%d test_iter for %d test nets)" % (len(p.test_iter), num_specific))
+        num_instances = num_specific + (len(p.test_iter) - num_specific)
+        if p.test_state and len(p.test_state) != num_instances:
+            raise CaffeError("test_state must be unspecified or specified once per test net "
+                             "(%d test_state for %d test nets)" % (len(p.test_state), num_instances))
+        if num_instances and p.test_interval <= 0:
+            raise CaffeError("test_interval must be > 0 when there are test nets")
+        sources, params = [], []
+        for tp in p.test_net_param:
+            np_ = caffe_pb2.NetParameter()
+            np_.CopyFrom(tp)
+            sources.append(("test_net_param", "test_net_param"))
+            params.append(np_)
+        for f in p.test_net:
+            np_, path = self._read_net(f)
+            sources.append(("test_net file: " + f, path))
+            params.append(np_)
+        remaining = len(p.test_iter) - len(params)
+        for _ in range(max(remaining, 0)):
+            if has_net_param:
+                np_ = caffe_pb2.NetParameter()
+                np_.CopyFrom(p.net_param)
+                sources.append(("net_param", "net_param"))
+            else:
+                np_, path = self._read_net(p.net)
+                sources.append(("net file: " + p.net, path))
+            params.append(np_)
+        nets = []
+        for i, (np_, (desc, src)) in enumerate(zip(params, sources)):
+            state = caffe_pb2.NetState(phase=TEST)
+            state.MergeFrom(np_.state)
+            if p.test_state:
+                state.MergeFrom(p.test_state[i])
+            self._info("Creating test net (#%d) specified by %s", i, desc)
+            nets.append(self._make_net(np_, state, src))
+        return nets
+
+    def _load_weights(self, path):
+        path = self._resolve(path)
+        if not os.path.exists(path):
+            raise CaffeError("weights file %s does not exist" % path)
+        try:
+            self.net.copy_from(path)
+        except ProtoError as e:
+            raise CaffeError(str(e)) from None
+
+    # -------------------------------------------------------------- buffers
+    def _expand(self, mults):
+        """One float32 scalar when all params share a multiplier, else a flat
+        vector with each param's multiplier over its slice."""
+        mults = [float(m) for m in mults]
+        if not mults or all(m == mults[0] for m in mults):
+            return f32(mults[0] if mults else 1.0)
+        counts = [b.count for b in self.net.learnable_params]
+        vec = np.repeat(np.asarray(mults, np.float32), counts)
+        return self.xp.asarray(vec)
+
+    def _init_buffers(self):
+        xp, n = self.xp, self.net.param_data.size
+        self.history = [xp.zeros(n, np.float32) for _ in range(self.num_history)]
+        self._tmp = xp.zeros(n, np.float32)
+        self.lr_mult = self._expand(self.net.param_lr_mults)
+        self.decay_mult = self._expand(self.net.param_decay_mults)
+
+    # --------------------------------------------------------------- update
+    def get_learning_rate(self):
+        rate, self.current_step = lr_policy.learning_rate(
+            self.param, self.iter, self.current_step, info=self._info)
+        return rate
+
+    def clip_gradients(self):
+        clip = float(f32(self.param.clip_gradients))
+        if clip < 0:
+            return
+        diff = self.net.param_diff
+        l2norm = math.sqrt(float(self.xp.dot(diff, diff)))
+        if l2norm > clip:
+            scale = f32(clip / l2norm)
+            self._info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale factor %s",
+                       fmt(l2norm), fmt(clip), fmt(scale))
+            diff *= scale
+
+    def normalize(self):
+        if self.param.iter_size == 1:
+            return
+        self.net.param_diff *= f32(1) / f32(self.param.iter_size)
+
+    def regularize(self):
+        wd = f32(self.param.weight_decay)
+        if not wd:
+            return
+        local_decay = wd * self.decay_mult
+        if np.ndim(local_decay) == 0 and not local_decay:
+            return
+        xp, data, diff, tmp = self.xp, self.net.param_data, self.net.param_diff, self._tmp
+        if self.param.regularization_type == "L2":
+            xp.multiply(data, local_decay, out=tmp)
+        elif self.param.regularization_type == "L1":
+            xp.sign(data, out=tmp)
+            tmp *= local_decay
+        else:
+            raise CaffeError("unknown regularization_type '%s'" % self.param.regularization_type)
+        diff += tmp
+
+    def compute_update_value(self, rate):
+        raise NotImplementedError
+
+    def local_rate(self, rate):
+        return f32(rate) * self.lr_mult
+
+    def apply_update(self):
+        rate = self.get_learning_rate()
+        p = self.param
+        if p.display and self.iter % p.display == 0:
+            self._info("Iteration %d, lr = %s", self.iter, fmt(rate))
+        self.clip_gradients()
+        self.normalize()
+        self.regularize()
+        self.compute_update_value(rate)
+        self.net.param_data -= self.net.param_diff
+        return rate
+
+    # ----------------------------------------------------------------- loop
+    def set_action_function(self, fn):
+        """``fn()`` -> SolverAction value, polled after every iteration and
+        test batch (Caffe's SetActionFunction; the CLI's signal handler)."""
+        self.action_function = fn
+
+    def _requested_action(self):
+        action = self.action_function() if self.action_function else SolverAction.NONE
+        return self.reducer.combine_action(action)
+
+    def _update_smoothed_loss(self, loss):
+        avg = self.param.average_loss
+        if len(self._losses) < avg:
+            self._losses.append(loss)
+            size = len(self._losses)
+            self.smoothed_loss = (self.smoothed_loss * (size - 1) + loss) / size
+        else:
+            idx = (self.iter - self._loss_base) % avg
+            self.smoothed_loss += (loss - self._losses[idx]) / avg
+            self._losses[idx] = loss
+
+    def _check_finite_loss(self, loss):
+        if not math.isfinite(loss):
+            layer = self.net.first_nonfinite_layer()
+            where = ("first non-finite output in layer '%s'" % layer) if layer else \
+                "no layer output is non-finite (check the loss weights)"
+            raise CaffeError("Iteration %d: training diverged, loss = %s (%s); stopped without "
+                             "updating the weights or writing a snapshot" % (self.iter, fmt(loss), where))
+
+    def _display(self, lapse):
+        p, net = self.param, self.net
+        outputs = net.output_values()
+        flat = [float(v) for _, vals, _ in outputs for v in to_numpy(vals).ravel()]
+        combined = self.reducer.mean_scalars([self.smoothed_loss] + flat)
+        if not self.is_root:
+            return
+        per_s = (self.iter - self._iterations_last) / (lapse if lapse else 1.0)
+        log.info("Iteration %d (%s iter/s, %ss/%d iters), loss = %s", self.iter, fmt(per_s),
+                 fmt(lapse), p.display, fmt(combined[0]))
+        k, idx = 0, 1
+        for name, vals, w in outputs:
+            for _ in range(int(np.size(vals))):
+                v = combined[idx]
+                idx += 1
+                extra = (" (* %s = %s loss)" % (fmt(w), fmt(f32(w) * f32(v)))) if w else ""
+                log.info("    Train net output #%d: %s = %s%s", k, name, fmt(v), extra)
+                k += 1
+
+    def step(self, iters):
+        """Run ``iters`` training iterations (Caffe's Solver::Step)."""
+        p, net, reducer = self.param, self.net, self.reducer
+        start_iter = self.iter
+        stop_iter = self.iter + int(iters)
+        if self._pending_window is not None:
+            self._losses, self.smoothed_loss, self._loss_base = self._pending_window
+            self._pending_window = None
+        else:
+            self._losses, self.smoothed_loss, self._loss_base = [], 0.0, start_iter
+        if not self._params_synced:
+            reducer.broadcast_params(net)
+            self._params_synced = True
+        timer = time.time()
+        self._iterations_last = self.iter
+        iter_size = p.iter_size
+        while self.iter < stop_iter:
+            net.clear_param_diffs()
+            if p.test_interval and self.iter % p.test_interval == 0 and \
+                    (self.iter > 0 or p.test_initialization):
+                self.test_all()
+                if self.requested_early_exit:
+                    break
+            display = p.display and self.iter % p.display == 0
+            loss = 0.0
+            reducer.start_iteration(net, iter_size)
+            for i in range(iter_size):
+                reducer.before_pass(net, i, i == iter_size - 1)
+                loss += net.forward_backward()
+            loss /= iter_size
+            self._check_finite_loss(loss)
+            self._update_smoothed_loss(loss)
+            if display:
+                now = time.time()
+                self._display(now - timer)
+                timer = now
+                self._iterations_last = self.iter
+            reducer.finish(net)
+            self.apply_update()
+            self.iter += 1
+            request = self._requested_action()
+            if (p.snapshot and self.iter % p.snapshot == 0) or request == SolverAction.SNAPSHOT:
+                self.snapshot()
+            if request == SolverAction.STOP:
+                self.requested_early_exit = True
+                break
+
+    def solve(self, resume_file=None):
+        """Train to max_iter (Caffe's Solver::Solve), optionally resuming."""
+        p = self.param
+        self._info("Solving %s", self.net.name)
+        self._info("Learning Rate Policy: %s", p.lr_policy)
+        self.requested_early_exit = False
+        if resume_file:
+            self._info("Restoring previous solver status from %s", resume_file)
+            self.restore(resume_file)
+        self.step(p.max_iter - self.iter)
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+            self.snapshot()
+        if self.requested_early_exit:
+            self._info("Optimization stopped early.")
+            return
+        if p.display and self.iter % p.display == 0:
+            loss = self.net.forward_range()
+            self._update_smoothed_loss(loss)
+            smoothed = self.reducer.mean_scalars([self.smoothed_loss])[0]
+            self._info("Iteration %d, loss = %s", self.iter, fmt(smoothed))
+        if p.test_interval and self.iter % p.test_interval == 0:
+            self.test_all()
+        self._info("Optimization Done.")
+
+    # -------------------------------------------------------------- testing
+    def test_all(self):
+        for i in range(len(self.test_nets)):
+            if self.requested_early_exit:
+                break
+            self.test(i)
+
+    def test(self, test_net_id=0, iterations=None):
+        """One test pass of test net ``test_net_id`` (Caffe's Solver::Test).
+
+        ``iterations`` is this rank's number of batches (default
+        ``reducer.split_test_iters(test_iter)``); the scores, loss and batch
+        counts of all ranks are summed with ``reducer.sum_scalars`` and the
+        means logged by rank 0.  Returns the mean scores."""
+        p = self.param
+        self._info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        test_net = self.test_nets[test_net_id]
+        total = p.test_iter[test_net_id]
+        n = self.reducer.split_test_iters(total) if iterations is None else int(iterations)
+        outputs = test_net.output_values()
+        sizes = [int(np.size(vals)) for _, vals, _ in outputs]
+        scores = [0.0] * sum(sizes)
+        loss = 0.0
+        start = last = time.time()
+        done = 0
+        for i in range(n):
+            request = self._requested_action()
+            while request != SolverAction.NONE:
+                if request == SolverAction.SNAPSHOT:
+                    self.snapshot()
+                elif request == SolverAction.STOP:
+                    self.requested_early_exit = True
+                request = self._requested_action()
+            if self.requested_early_exit:
+                break
+            iter_loss = test_net.forward_range()
+            if p.test_compute_loss:
+                loss += iter_loss
+            idx = 0
+            for _, vals, _ in test_net.output_values():
+                for v in to_numpy(vals).ravel():
+                    scores[idx] += float(v)
+                    idx += 1
+            done += 1
+            now = time.time()
+            if now - last > 5.0 and i + 1 < n:
+                self._info("Test net (#%d): %d/%d batches (%.1fs)", test_net_id, i + 1, n, now - start)
+                last = now
+        if self.requested_early_exit:
+            self._info("Test interrupted.")
+            return None
+        sums = self.reducer.sum_scalars(scores + [loss, float(done)])
+        count = sums[-1] or 1.0
+        if p.test_compute_loss:
+            self._info("Test loss: %s", fmt(sums[-2] / count))
+        means = [s / count for s in sums[:-2]]
+        self.test_scores[test_net_id] = means
+        k = 0
+        for name, vals, w in outputs:
+            for _ in range(int(np.size(vals))):
+                m = means[k]
+                extra = (" (* %s = %s loss)" % (fmt(w), fmt(f32(w) * f32(m)))) if w else ""
+                self._info("    Test net output #%d: %s = %s%s", k, name, fmt(m), extra)
+                k += 1
+        return means
+
+    # ------------------------------------------------------------ snapshots
+    def _snapshot_filename(self, ext):
+        return "%s_iter_%d%s" % (self.param.snapshot_prefix, self.iter, ext)
+
+    def _check_finite_weights(self):
+        xp, net = self.xp, self.net
+        if bool(xp.isfinite(net.param_data).all()):
+            return
+        bad = "?"
+        for blob, name in zip(net.learnable_params, net.param_owner_names):
+            if not bool(xp.isfinite(blob.data).all()):
+                bad = name
+                break
+        raise CaffeError("Iteration %d: weights of %s are not finite; refusing to write a snapshot "
+                         "(earlier snapshots are kept)" % (self.iter, bad))
+
+    def _extra_state(self):
+        """Our additions to SolverState (JSON in field caffempi_state)."""
+        mine = {"rng": _rng_state_to_json(common.get_rng_state()),
+                "train_data": self.net.data_state(),
+                "test_data": [tn.data_state() for tn in self.test_nets]}
+        ranks = self.reducer.gather_object(mine)
+        return {"version": 1, "ranks": ranks,
+                "loss_window": {"losses": list(self._losses), "smoothed": self.smoothed_loss,
+                                "base": self._loss_base}}
+
+    def snapshot(self):
+        """Write <prefix>_iter_<N>.caffemodel (or .caffemodel.h5) and the
+        matching .solverstate atomically (rank 0); returns the model path."""
+        p = self.param
+        self._check_finite_weights()
+        extra = self._extra_state()
+        if not self.is_root:
+            return None
+        if not p.snapshot_prefix:
+            raise CaffeError("cannot snapshot: snapshot_prefix is not set")
+        try:
+            if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
+                model = self._snapshot_filename(".caffemodel.h5")
+                self._info("Snapshotting to HDF5 file %s", model)
+                self._save_hdf5_atomic(model)
+                self._snapshot_state_hdf5(model, extra)
+            else:
+                model = self._snapshot_filename(".caffemodel")
+                self._info("Snapshotting to binary proto file %s", model)
+                self.net.save(model, p.snapshot_diff)
+                self._snapshot_state_binary(model, extra)
+        except ProtoError as e:
+            raise CaffeError(str(e)) from None
+        return model
+
+    def _history_arrays(self):
+        """(buffer index, param index, array shaped as the param) in Caffe's
+        order: all params of history set 0, then set 1, ..."""
+        net = self.net
+        for h, buf in enumerate(self.history):
+            for i, (blob, off) in enumerate(zip(net.learnable_params, net.param_offsets)):
+                yield h, i, to_numpy(buf[off:off + blob.count]).reshape(blob.shape)
+
+    def _snapshot_state_binary(self, model, extra):
+        state = caffe_pb2.SolverState()
+        state.iter = self.iter
+        state.learned_net = model
+        state.current_step = self.current_step
+        for _, _, arr in self._history_arrays():
+            proto_io.array_to_blob_proto(arr, state.history.add())
+        state.caffempi_state = json.dumps(extra).encode("utf-8")
+        path = self._snapshot_filename(".solverstate")
+        self._info("Snapshotting solver state to binary proto file %s", path)
+        proto_io.write_binary_proto_atomic(path, state)
+
+    def _save_hdf5_atomic(self, model):
+        self.net.save_hdf5(model, self.param.snapshot_diff)
+
+    def _snapshot_state_hdf5(self, model, extra):
+        import h5py
+        path = self._snapshot_filename(".solverstate.h5")
+        self._info("Snapshotting solver state to HDF5 file %s", path)
+        tmp = "%s.%d.tmp" % (path, os.getpid())
+        try:
+            with h5py.File(tmp, "w") as f:
+                f.create_dataset("iter", data=np.array([self.iter], np.int32))
+                f.create_dataset("learned_net", data=np.bytes_(model.encode("utf-8")))
+                f.create_dataset("current_step", data=np.array([self.current_step], np.int32))
+                g = f.create_group("history")
+                for k, (_, _, arr) in enumerate(self._history_arrays()):
+                    g.create_dataset(str(k), data=arr)
+                f.attrs["caffempi_state"] = json.dumps(extra)
+                f.flush()
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+            os.replace(tmp, path)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+    # -------------------------------------------------------------- restore
+    def restore(self, path):
+        """Resume from a .solverstate (binary, ours or Caffe's) or a
+        .solverstate.h5: iteration, weights (learned_net), history,
+        current_step and, from our snapshots, data position and random state."""
+        path = os.fspath(path)
+        if not os.path.exists(path):
+            raise CaffeError("solver state file %s does not exist" % path)
+        if path.endswith(".h5"):
+            it, learned, step, hist, extra = self._read_state_hdf5(path)
+        else:
+            try:
+                state = proto_io.read_binary_proto(path, caffe_pb2.SolverState)
+            except ProtoError as e:
+                raise CaffeError(str(e)) from None
+            it, step = state.iter, state.current_step
+            learned = state.learned_net if state.HasField("learned_net") else None
+            hist = state.history
+            extra = state.caffempi_state.decode("utf-8") if state.HasField("caffempi_state") else None
+        if learned:
+            model = self._find_learned_net(learned, path)
+            try:
+                self.net.copy_from(model)
+            except ProtoError as e:
+                raise CaffeError("%s (learned_net of %s)" % (e, path)) from None
+        self._restore_history(hist, path)
+        self.iter = int(it)
+        self.current_step = int(step)
+        if extra:
+            self._restore_extra(json.loads(extra), path)
+
+    def _find_learned_net(self, learned, state_path):
+        if os.path.exists(learned):
+            return learned
+        alt = os.path.join(os.path.dirname(state_path), os.path.basename(learned))
+        if os.path.exists(alt):
+            return alt
+        raise CaffeError("%s: its learned_net %s does not exist" % (state_path, learned))
+
+    def _read_state_hdf5(self, path):
+        import h5py
+        with h5py.File(path, "r") as f:
+            def scalar(name, default=0):
+                return int(np.asarray(f[name]).reshape(-1)[0]) if name in f else default
+            learned = None
+            if "learned_net" in f:
+                raw = np.asarray(f["learned_net"]).reshape(-1)[0] if np.asarray(f["learned_net"]).shape \
+                    else f["learned_net"][()]
+                learned = raw.decode("utf-8") if isinstance(raw, bytes) else str(raw)
+                learned = learned.rstrip("\x00")
+            hist = []
+            if "history" in f:
+                g = f["history"]
+                hist = [np.asarray(g[str(k)], np.float32) for k in range(len(g))]
+            extra = f.attrs.get("caffempi_state")
+            if isinstance(extra, bytes):
+                extra = extra.decode("utf-8")
+            return scalar("iter"), learned, scalar("current_step"), hist, extra
+
+    def _restore_history(self, hist, path):
+        net = self.net
+        nparams = len(net.learnable_params)
+        if len(hist) != nparams * self.num_history:
+            raise CaffeError("%s: %d history blobs, the %s solver for this net needs %d "
+                             "(%d learnable params x %d)" % (path, len(hist), self.type,
+                                                             nparams * self.num_history,
+                                                             nparams, self.num_history))
+        for k, h in enumerate(hist):
+            which, i = divmod(k, nparams)
+            blob, off = net.learnable_params[i], net.param_offsets[i]
+            if isinstance(h, caffe_pb2.BlobProto):
+                try:
+                    arr = proto_io.blob_proto_to_array(h)
+                except ProtoError as e:
+                    raise CaffeError("%s: history %d: %s" % (path, k, e)) from None
+            else:
+                arr = np.asarray(h, np.float32)
+            if arr.size != blob.count:
+                raise CaffeError("%s: history %d (param %s) has shape %s, the param has shape %s"
+                                 % (path, k, net.param_owner_names[i], tuple(arr.shape), blob.shape))
+            self.history[which][off:off + blob.count] = self.xp.asarray(arr.reshape(-1), np.float32)
+
+    def _restore_extra(self, extra, path):
+        lw = extra.get("loss_window")
+        if lw:
+            self._pending_window = ([float(v) for v in lw["losses"]], float(lw["smoothed"]), int(lw["base"]))
+        ranks = extra.get("ranks") or []
+        if len(ranks) != self.reducer.size:
+            self._warn("%s was written by %d process(es), this run has %d: data position and random "
+                       "state not restored", path, len(ranks), self.reducer.size)
+            return
+        mine = ranks[self.reducer.rank]
+        if mine.get("rng"):
+            common.set_rng_state(_rng_state_from_json(mine["rng"]))
+        self.net.set_data_state(mine.get("train_data") or {})
+        for tn, st in zip(self.test_nets, mine.get("test_data") or []):
+            tn.set_data_state(st or {})

@@ -1,0 +1,91 @@
+"""plot_training_log: training curves as a PNG (matplotlib, Agg backend),
+with the chart types of BVLC's tools/extra/plot_training_log.py.example:
+
+    0: Test accuracy  vs. Iters     1: Test accuracy  vs. Seconds
+    2: Test loss      vs. Iters     3: Test loss      vs. Seconds
+    4: Train learning rate vs. Iters  5: Train learning rate vs. Seconds
+    6: Train loss     vs. Iters     7: Train loss     vs. Seconds
+
+    python tools/plot_training_log.py CHART_TYPE OUT.png LOG_OR_CSV [LOG_OR_CSV ...]
+
+Each input is a training log (parsed with parse_log) or a .train/.test CSV
+written by parse_log.
+"""
+import argparse
+import os
+
+from ..common import CaffeError
+from . import parse_log as _pl
+from ._util import info, run_main
+
+CHARTS = {
+    0: ("test", "accuracy", "NumIters"), 1: ("test", "accuracy", "Seconds"),
+    2: ("test", "loss", "NumIters"), 3: ("test", "loss", "Seconds"),
+    4: ("train", "LearningRate", "NumIters"), 5: ("train", "LearningRate", "Seconds"),
+    6: ("train", "loss", "NumIters"), 7: ("train", "loss", "Seconds"),
+}
+LABELS = {"NumIters": "Iters", "Seconds": "Seconds", "accuracy": "Test accuracy",
+          "LearningRate": "Train learning rate"}
+
+
+def _rows(path, phase):
+    if path.endswith(".train") or path.endswith(".test"):
+        if not path.endswith("." + phase):
+            other = path[:path.rfind(".")] + "." + phase
+            if not os.path.exists(other):
+                raise CaffeError("%s: no .%s CSV beside it (%s)" % (path, phase, other))
+            path = other
+        return _pl.read_csv(path)
+    train, test = _pl.parse_log(path)
+    return [{k: float(v) for k, v in r.items()} for r in (train if phase == "train" else test)]
+
+
+def plot_chart(chart_type, out_png, inputs):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    if chart_type not in CHARTS:
+        raise CaffeError("chart type %r is not one of 0..7" % chart_type)
+    phase, field, xfield = CHARTS[chart_type]
+    fig, ax = plt.subplots(figsize=(8, 5))
+    plotted = 0
+    for path in inputs:
+        rows = _rows(path, phase)
+        ys = [(r[xfield], r[field]) for r in rows if field in r]
+        if not ys:
+            info("%s: no %s %s values", path, phase, field)
+            continue
+        ax.plot([x for x, _ in ys], [y for _, y in ys], marker=".", label=os.path.basename(path))
+        plotted += 1
+    if not plotted:
+        plt.close(fig)
+        raise CaffeError("no %s %s values in %s" % (phase, field, ", ".join(inputs)))
+    ylabel = LABELS.get(field, ("Test " if phase == "test" else "Train ") + field)
+    ax.set_xlabel(LABELS[xfield])
+    ax.set_ylabel(ylabel)
+    ax.set_title("%s vs. %s" % (ylabel, LABELS[xfield]))
+    ax.grid(True, alpha=0.3)
+    ax.legend(loc="best", fontsize="small")
+    fig.tight_layout()
+    fig.savefig(out_png)
+    plt.close(fig)
+    return out_png
+
+
+def _main(argv):
+    ap = argparse.ArgumentParser(prog="plot_training_log", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("chart_type", type=int, choices=sorted(CHARTS))
+    ap.add_argument("output_png")
+    ap.add_argument("inputs", nargs="+")
+    a = ap.parse_args(argv)
+    plot_chart(a.chart_type, a.output_png, a.inputs)
+    info("Wrote %s", a.output_png)
+
+
+def main(argv=None):
+    return run_main(_main, argv)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
