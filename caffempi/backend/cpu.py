@@ -9,13 +9,33 @@ pixels).  A whole batch's column matrix can be hundreds of MB, which makes the
 GEMM and the copies run from main memory, so a batch is cut into a few chunks
 of images whose column matrix fits in cache (``_COL_CHUNK_BYTES``); each chunk
 is one im2col and one GEMM per group (all groups in one batched matmul).
+Scratch buffers persist between calls (see :func:`_work`).
 """
+import threading
+
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
-# Target size of one chunk's column matrix: about what the last-level cache
-# holds next to the GEMM's other operands.
-_COL_CHUNK_BYTES = 4 << 20
+# Target size of one chunk's column matrix.  OpenBLAS runs these skinny GEMMs
+# (few output channels) at ~85-90 GFLOP/s on 0.5-2 MB column blocks and at
+# ~55 on whole-batch ones; 0.5-4 MB measured about the same end to end.
+_COL_CHUNK_BYTES = int(1.5 * (1 << 20))
+
+_tls = threading.local()
+
+
+def _work(slot, size, dtype):
+    """A persistent scratch buffer of at least ``size`` elements, per thread
+    and slot: fresh multi-MB temporaries page-fault on every call (in
+    LeNet's conv2 dx that almost doubled the GEMM time)."""
+    bufs = getattr(_tls, "bufs", None)
+    if bufs is None:
+        bufs = _tls.bufs = {}
+    key = (slot, np.dtype(dtype).str)
+    b = bufs.get(key)
+    if b is None or b.size < size:
+        b = bufs[key] = np.empty(max(size, 1), dtype)
+    return b[:size]
 
 
 def conv_out_size(size, k, s, p, d):
@@ -23,15 +43,11 @@ def conv_out_size(size, k, s, p, d):
     return (size + 2 * p - (d * (k - 1) + 1)) // s + 1
 
 
-def _pad(x, ph, pw, value=0):
+def _pad(x, ph, pw):
     if not ph and not pw:
         return x
     n, c, h, w = x.shape
-    out = np.empty((n, c, h + 2 * ph, w + 2 * pw), x.dtype)
-    if value == 0:
-        out[...] = 0
-    else:
-        out.fill(value)
+    out = np.zeros((n, c, h + 2 * ph, w + 2 * pw), x.dtype)
     out[:, :, ph:ph + h, pw:pw + w] = x
     return out
 
@@ -63,19 +79,19 @@ def im2col(xpad, geom, oh, ow, out=None):
     return out.reshape(c * kh * kw, n * oh * ow)
 
 
-def col2im(col, geom, n, c, h, w, oh, ow):
-    """Adjoint of :func:`im2col`: sums the (C*kh*kw, N*oh*ow) columns back
-    into a padded (N, C, H+2ph, W+2pw) array (one strided add per kernel tap)."""
+def col2im(col, geom, oh, ow, out):
+    """Adjoint of :func:`im2col`: adds the (C*kh*kw, N*oh*ow) columns into the
+    padded (N, C, Hp, Wp) array ``out`` (one strided add per kernel tap)."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
-    xpad = np.zeros((n, c, h + 2 * ph, w + 2 * pw), col.dtype)
+    n, c = out.shape[:2]
     col = col.reshape(c, kh, kw, n, oh, ow)
     hspan = sh * (oh - 1) + 1
     wspan = sw * (ow - 1) + 1
     for i in range(kh):
         for j in range(kw):
-            dst = xpad[:, :, i * dh:i * dh + hspan:sh, j * dw:j * dw + wspan:sw]
+            dst = out[:, :, i * dh:i * dh + hspan:sh, j * dw:j * dw + wspan:sw]
             dst += col[:, i, j].transpose(1, 0, 2, 3)
-    return xpad
+    return out
 
 
 def conv2d_forward(x, w, geom, group):
@@ -96,13 +112,23 @@ def conv2d_forward(x, w, geom, group):
     p = oh * ow
     k = c * kh * kw
     nb = _chunk(n, k * p * x.itemsize)
-    buf = np.empty(k * nb * p, x.dtype)
+    buf = _work("col", k * nb * p, x.dtype)
+    rbuf = _work("gemm", o * nb * p, x.dtype)
     for a in range(0, n, nb):
         m = min(nb, n - a)
         col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p])
-        r = np.matmul(wg, col.reshape(g, k // g, m * p))          # (g, o/g, m*p)
+        r = np.matmul(wg, col.reshape(g, k // g, m * p), out=rbuf[:o * m * p].reshape(g, o // g, m * p))
         y[a:a + m] = r.reshape(o, m, oh, ow).transpose(1, 0, 2, 3)
     return y
+
+
+def _flipped_weights(w, group):
+    """Weights of the convolution that maps dy to dx for stride 1: spatially
+    flipped, input and output channels swapped within each group."""
+    o, cg, kh, kw = w.shape
+    og = o // group
+    wf = w.reshape(group, og, cg, kh, kw)[:, :, :, ::-1, ::-1].transpose(0, 2, 1, 3, 4)
+    return np.ascontiguousarray(wf).reshape(group * cg, og, kh, kw)
 
 
 def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None):
@@ -130,52 +156,80 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
         return gx, gw
     p = oh * ow
     k = c * kh * kw
+    # With stride 1, dx is itself a convolution of dy (padded by the kernel
+    # extent minus pad) with the flipped weights: an im2col + GEMM like the
+    # forward, which beats GEMM + col2im (kh*kw strided scatter-adds).
+    # That conv runs over all h*w inputs, so use it only when that is not much
+    # more than the oh*ow outputs (padded "same" convs, not LeNet's valid ones).
+    fph, fpw = dh * (kh - 1) - ph, dw_ * (kw - 1) - pw
+    dx_as_conv = (need_dx and sh == 1 and sw == 1 and fph >= 0 and fpw >= 0
+                  and h * wd <= 1.5 * oh * ow
+                  and conv_out_size(oh, kh, 1, fph, dh) == h and conv_out_size(ow, kw, 1, fpw, dw_) == wd)
+    if dx_as_conv:
+        gx = conv2d_forward(dy, _flipped_weights(w, g), (kh, kw, 1, 1, fph, fpw, dh, dw_), g)
+    col_dx = need_dx and not dx_as_conv
+    if not need_dw and not col_dx:
+        return gx, gw
     nb = _chunk(n, k * p * dtype.itemsize)
     if need_dw:
         xpad = _pad(x, ph, pw)
-        buf = np.empty(k * nb * p, dtype)
-        gw = np.zeros((g, og, k // g), dtype)
-    if need_dx:
-        gxpad = np.empty((n, c, h + 2 * ph, wd + 2 * pw), dtype)
+        buf = _work("col", k * nb * p, dtype)
+        # dw transposed, (k, o): OpenBLAS runs this orientation (long
+        # reduction, small N) much faster than dy @ col.T
+        gwt = np.zeros((g, k // g, og), dtype)
+    if col_dx:
+        gxpad = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype)
         wt = wg.transpose(0, 2, 1)
+        wide = (wd + 2 * pw) if (sh == 1 and sw == 1) else ow
+        dbuf = _work("dcol", k * nb * oh * wide, dtype)
+        wbuf = _work("dyw", o * nb * oh * wide, dtype)
+    tbuf = _work("dyt", o * nb * p, dtype)
     for a in range(0, n, nb):
         m = min(nb, n - a)
-        # dy of the chunk as (g, o/g, m*p), the GEMM layout of the columns
-        dyc = np.ascontiguousarray(dy[a:a + m].reshape(m, o, p).transpose(1, 0, 2)).reshape(g, og, m * p)
+        # dy of the chunk as (g, m*p, o/g), matching the columns' order
+        dyt = tbuf[:o * m * p].reshape(g, m, p, og)
+        np.copyto(dyt, dy[a:a + m].reshape(m, g, og, p).transpose(1, 0, 3, 2))
+        dyt = dyt.reshape(g, m * p, og)
         if need_dw:
             col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p]).reshape(g, k // g, m * p)
-            gw += np.matmul(dyc, col.transpose(0, 2, 1))
-        if need_dx:
-            dcol = np.matmul(wt, dyc)                             # (g, k/g, m*p)
-            gxpad[a:a + m] = col2im(dcol, geom, m, c, h, wd, oh, ow)
+            gwt += np.matmul(col, dyt)
+        if col_dx and sh == 1 and sw == 1:
+            # Rows of dy widened to the padded input width (zeros beyond ow):
+            # then each kernel tap's columns land on one contiguous run of the
+            # flattened padded image plane, and col2im is kh*kw long adds
+            # instead of adds of ow-long pieces.
+            wp = wd + 2 * pw
+            dyw = wbuf[:o * m * oh * wp].reshape(g, og, m, oh, wp)
+            dyw[..., ow:] = 0
+            dyw[..., :ow] = dy[a:a + m].reshape(m, g, og, oh, ow).transpose(1, 2, 0, 3, 4)
+            lw = oh * wp
+            dcol = np.matmul(wt, dyw.reshape(g, og, m * lw), out=dbuf[:k * m * lw].reshape(g, k // g, m * lw))
+            dcol = dcol.reshape(c, kh, kw, m, lw)
+            plane = gxpad[a:a + m].reshape(m, c, -1)
+            for i in range(kh):
+                for j in range(kw):
+                    off = i * dh * wp + j * dw_
+                    ln = min(lw, plane.shape[2] - off)   # the cut-off tail holds zeros
+                    plane[:, :, off:off + ln] += dcol[:, i, j, :, :ln].transpose(1, 0, 2)
+        elif col_dx:
+            dcol = np.matmul(wt, dyt.transpose(0, 2, 1), out=dbuf[:k * m * p].reshape(g, k // g, m * p))
+            col2im(dcol, geom, oh, ow, gxpad[a:a + m])
     if need_dw:
-        gw = gw.reshape(w.shape)
-    if need_dx:
+        gw = np.ascontiguousarray(gwt.transpose(0, 2, 1)).reshape(w.shape)
+    if col_dx:
         gx = gxpad[:, :, ph:ph + h, pw:pw + wd] if (ph or pw) else gxpad
         gx = np.ascontiguousarray(gx)
     return gx, gw
 
 
+def bias_grad(dy):
+    """Sum of dy (N, C, ...) over every axis but the channels."""
+    n, c = dy.shape[:2]
+    r = dy.reshape(n, c, -1)
+    return np.matmul(r, np.ones(r.shape[2], dy.dtype)).sum(0)
+
+
 # --------------------------------------------------------------------- pooling
-def _window_slices(k, s, n_out, d=1):
-    """Slices picking, for each tap t < k, the n_out strided positions."""
-    span = s * (n_out - 1) + 1
-    return [slice(t * d, t * d + span, s) for t in range(k)]
-
-
-def _pool_pad(x, geom, oh, ow, value):
-    """Pad so every (possibly overhanging) window lies inside the array."""
-    kh, kw, sh, sw, ph, pw = geom[:6]
-    n, c, h, w = x.shape
-    hp = max(h + 2 * ph, (oh - 1) * sh + kh)
-    wp = max(w + 2 * pw, (ow - 1) * sw + kw)
-    if hp == h and wp == w:
-        return x
-    out = np.full((n, c, hp, wp), value, x.dtype)
-    out[:, :, ph:ph + h, pw:pw + w] = x
-    return out
-
-
 def _ave_divisor(size, k, s, p, n_out):
     """Caffe's AVE window sizes along one axis: each window clipped to
     [-p, size+p) (padding counts, overhang beyond it does not)."""
@@ -184,76 +238,180 @@ def _ave_divisor(size, k, s, p, n_out):
     return end - start
 
 
+def _phases(a, s, fill):
+    """Split axis 1 of a (B, L, inner) array into its s stride phases, each a
+    contiguous (B, ceil(L/s), inner) array (short phases padded with fill)."""
+    if s == 1:
+        return [a]
+    b, length, inner = a.shape
+    lq = -(-length // s)
+    out = []
+    for r in range(s):
+        part = a[:, r::s]
+        if part.shape[1] == lq:
+            out.append(np.ascontiguousarray(part))
+        else:
+            ph = np.empty((b, lq, inner), a.dtype)
+            ph[:, :part.shape[1]] = part
+            ph[:, part.shape[1]:] = fill
+            out.append(ph)
+    return out
+
+
+def _window_max(phases, k, s, n_out, payload=None):
+    """Max over windows of k taps, stride s, along axis 1 of an array given as
+    its s stride phases (see :func:`_phases`), each contiguous (B, lq, inner):
+    returns (max, tap, payload at the tap), each (B, n_out, inner); tap is
+    the first maximising tap (int8).
+
+    Every tap is a shifted contiguous 1-D view of a phase, so each step is one
+    long vectorised ufunc (positions that start no window are computed too and
+    thrown away, which is cheaper than strided access).
+    """
+    b, lq, inner = phases[0].shape
+    dtype = phases[0].dtype
+    total = b * lq * inner
+    span = total - ((k - 1) // s) * inner          # positions whose window fits
+    flat = [p.reshape(-1) for p in phases]
+    best = _work("pool_best", total, dtype)
+    best[span:] = 0
+    best[:span] = flat[0][:span]
+    tap = _work("pool_tap", total, np.int8)
+    tap[...] = 0
+    sel = None
+    if payload is not None:
+        pflat = [p.reshape(-1) for p in payload]
+        sel = _work("pool_sel", total, payload[0].dtype)
+        sel[span:] = 0
+        sel[:span] = pflat[0][:span]
+    gt = _work("pool_gt", span, bool)
+    for j in range(1, k):
+        off = (j // s) * inner
+        v = flat[j % s][off:off + span]
+        np.greater(v, best[:span], out=gt)
+        np.maximum(best[:span], v, out=best[:span])
+        g8 = gt.view(np.int8)
+        # later taps win only when strictly greater: first max in scan order
+        np.maximum(tap[:span], g8 * np.int8(j), out=tap[:span])
+        if sel is not None:
+            ps = pflat[j % s][off:off + span]
+            sel[:span] += g8 * (ps - sel[:span])
+    shape = (b, lq, inner)
+    crop = (slice(None), slice(0, n_out))
+    # copies: the scratch buffers are reused by the next call
+    out = [best.reshape(shape)[crop].copy(), tap.reshape(shape)[crop].copy()]
+    out.append(sel.reshape(shape)[crop].copy() if sel is not None else None)
+    return out
+
+
+def _window_sum(phases, k, s, n_out):
+    """Sums over windows of k taps, stride s (as :func:`_window_max`)."""
+    b, lq, inner = phases[0].shape
+    total = b * lq * inner
+    span = total - ((k - 1) // s) * inner
+    flat = [p.reshape(-1) for p in phases]
+    acc = _work("pool_sum", total, phases[0].dtype)
+    acc[span:] = 0
+    acc[:span] = flat[0][:span]
+    for j in range(1, k):
+        off = (j // s) * inner
+        acc[:span] += flat[j % s][off:off + span]
+    return acc.reshape(b, lq, inner)[:, :n_out].copy()
+
+
+def _window_slices(k, s, n_out):
+    """Slices picking, for each tap t < k, the n_out window starts."""
+    span = s * (n_out - 1) + 1
+    return [slice(t, t + span, s) for t in range(k)]
+
+
+def _padded_width_phases(x, geom, oh, ow, fill):
+    """The pooling input padded (pad, plus the overhang of the last windows)
+    and split into its stride phases along W in one pass: sw arrays
+    (N*C*Hp, ceil(Wp/sw), 1) holding padded columns r, r+sw, ..."""
+    kh, kw, sh, sw, ph, pw = geom[:6]
+    n, c, h, w = x.shape
+    hp = max(h + 2 * ph, (oh - 1) * sh + kh)
+    wp = max(w + 2 * pw, (ow - 1) * sw + kw)
+    wq = -(-wp // sw)
+    out = []
+    for r in range(sw):
+        cols = np.arange(wq) * sw + r - pw          # source column of each slot
+        valid = np.nonzero((cols >= 0) & (cols < w))[0]
+        arr = np.empty((n, c, hp, wq), x.dtype)
+        if len(valid) == wq and hp == h:
+            arr[...] = x[:, :, :, cols[0]::sw][..., :wq]
+        else:
+            arr.fill(fill)
+            if len(valid):
+                q0, q1 = valid[0], valid[-1] + 1
+                arr[:, :, ph:ph + h, q0:q1] = x[:, :, :, cols[q0]::sw][..., :q1 - q0]
+        out.append(arr.reshape(n * c * hp, wq, 1))
+    return out, hp
+
+
 def max_pool_forward(x, geom, oh, ow):
     """Returns (y, idx): y the window maxima, idx the flat h*W+w index in the
     unpadded image of each window's first maximum in raster order (Caffe's)."""
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
-    if oh == 1 and ow == 1 and kh >= h + ph and kw >= w + pw and ph == 0 and pw == 0:
+    if _is_global(geom, h, w, oh, ow):
         flat = x.reshape(n, c, h * w)
         idx = flat.argmax(axis=2)
         y = np.take_along_axis(flat, idx[:, :, None], 2)
         return y.reshape(n, c, 1, 1), idx.reshape(n, c, 1, 1).astype(np.int32)
-    xpad = _pool_pad(x, geom, oh, ow, -np.inf)
-    hp, wp = xpad.shape[2:]
-    # Separable: first the row maxima over the kw taps, then over the kh rows.
-    # Taking the first strict maximum at each stage gives the raster-order
-    # first maximum of the window.
-    col_idx = np.arange(wp, dtype=np.int32) - pw                  # x coordinate
-    row = None
-    row_arg = None
-    for j, sl in enumerate(_window_slices(kw, sw, ow)):
-        v = xpad[:, :, :, sl]
-        if row is None:
-            row = v.copy()
-            row_arg = np.broadcast_to(col_idx[sl], row.shape).copy()
-        else:
-            better = v > row
-            np.copyto(row, v, where=better)
-            np.copyto(row_arg, col_idx[sl], where=better)
-    # flat index of each row maximum
-    row_arg += ((np.arange(hp, dtype=np.int32) - ph) * w)[:, None]
-    y = None
-    idx = None
-    for i, sl in enumerate(_window_slices(kh, sh, oh)):
-        v = row[:, :, sl]
-        if y is None:
-            y = v.copy()
-            idx = row_arg[:, :, sl].copy()
-        else:
-            better = v > y
-            np.copyto(y, v, where=better)
-            np.copyto(idx, row_arg[:, :, sl], where=better)
-    return y, idx
+    # Separable: row maxima over the kw taps, then over kh rows; taking the
+    # first strict maximum at each stage gives the window's raster-order first.
+    phases, hp = _padded_width_phases(x, geom, oh, ow, -np.inf)
+    row, jtap, _ = _window_max(phases, kw, sw, ow)
+    row = row.reshape(n * c, hp, ow)
+    jtap = jtap.reshape(n * c, hp, ow)
+    y, itap, jsel = _window_max(_phases(row, sh, 0), kh, sh, oh, _phases(jtap, sh, 0))
+    hs = (np.arange(oh, dtype=np.int32) * sh - ph) * w
+    ws = np.arange(ow, dtype=np.int32) * sw - pw
+    idx = itap.astype(np.int32)
+    idx *= w
+    idx += jsel
+    idx += (hs[:, None] + ws[None, :])
+    return y.reshape(n, c, oh, ow), idx.reshape(n, c, oh, ow)
 
 
-def max_pool_backward(dy, idx, x_shape):
-    """Routes each output gradient to its argmax (sums where windows share it)."""
+def max_pool_backward(dy, idx, x_shape, overlapping=True):
+    """Routes each output gradient to its argmax (summing where windows that
+    overlap share one; np.add.at is a fast scatter-add in NumPy 2)."""
     n, c, h, w = x_shape
-    hw = h * w
-    offs = (np.arange(n * c, dtype=np.int64) * hw).reshape(n, c, 1, 1)
+    offs = (np.arange(n * c, dtype=np.intp) * (h * w)).reshape(n, c, 1, 1)
     flat = (idx + offs).ravel()
-    dx = np.bincount(flat, weights=dy.ravel(), minlength=n * c * hw)
-    return dx.astype(dy.dtype, copy=False).reshape(x_shape)
+    dx = np.zeros(n * c * h * w, dy.dtype)
+    if overlapping:
+        np.add.at(dx, flat, dy.ravel())
+    else:
+        dx[flat] = dy.ravel()
+    return dx.reshape(x_shape)
+
+
+def _is_global(geom, h, w, oh, ow):
+    kh, kw, sh, sw, ph, pw = geom[:6]
+    return oh == 1 and ow == 1 and kh >= h and kw >= w and ph == 0 and pw == 0
+
+
+def _ave_scale(geom, h, w, oh, ow, dtype):
+    kh, kw, sh, sw, ph, pw = geom[:6]
+    div = np.outer(_ave_divisor(h, kh, sh, ph, oh), _ave_divisor(w, kw, sw, pw, ow))
+    return (1.0 / div).astype(dtype)
 
 
 def ave_pool_forward(x, geom, oh, ow):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
-    if oh == 1 and ow == 1 and kh >= h + ph and kw >= w + pw and ph == 0 and pw == 0:
-        div = _ave_divisor(h, kh, sh, ph, 1)[0] * _ave_divisor(w, kw, sw, pw, 1)[0]
-        return (x.sum(axis=(2, 3), keepdims=True) / div).astype(x.dtype, copy=False)
-    xpad = _pool_pad(x, geom, oh, ow, 0)
-    slw = _window_slices(kw, sw, ow)
-    row = xpad[:, :, :, slw[0]].copy()
-    for sl in slw[1:]:
-        row += xpad[:, :, :, sl]
-    slh = _window_slices(kh, sh, oh)
-    y = row[:, :, slh[0]].copy()
-    for sl in slh[1:]:
-        y += row[:, :, sl]
-    inv = 1.0 / np.outer(_ave_divisor(h, kh, sh, ph, oh), _ave_divisor(w, kw, sw, pw, ow))
-    y *= inv.astype(x.dtype)
+    scale = _ave_scale(geom, h, w, oh, ow, x.dtype)
+    if _is_global(geom, h, w, oh, ow):
+        return x.sum(axis=(2, 3), keepdims=True, dtype=x.dtype) * scale
+    # separable window sums (zero padding), as for MAX
+    phases, hp = _padded_width_phases(x, geom, oh, ow, 0)
+    row = _window_sum(phases, kw, sw, ow).reshape(n * c, hp, ow)
+    y = _window_sum(_phases(row, sh, 0), kh, sh, oh).reshape(n, c, oh, ow)
+    y *= scale
     return y
 
 
@@ -261,23 +419,22 @@ def ave_pool_backward(dy, geom, x_shape):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x_shape
     oh, ow = dy.shape[2:]
-    inv = 1.0 / np.outer(_ave_divisor(h, kh, sh, ph, oh), _ave_divisor(w, kw, sw, pw, ow))
-    g = dy * inv.astype(dy.dtype)
-    if oh == 1 and ow == 1 and kh >= h + ph and kw >= w + pw and ph == 0 and pw == 0:
+    g = dy * _ave_scale(geom, h, w, oh, ow, dy.dtype)
+    if _is_global(geom, h, w, oh, ow):
         return np.ascontiguousarray(np.broadcast_to(g, x_shape))
     hp = max(h + 2 * ph, (oh - 1) * sh + kh)
     wp = max(w + 2 * pw, (ow - 1) * sw + kw)
     # transpose of the separable sums: spread over rows, then over columns
-    row = np.zeros((n, c, hp, ow), dy.dtype)
+    # (strided adds measured faster here than the phase trick of the forward)
+    rows = np.zeros((n, c, hp, ow), dy.dtype)
     for sl in _window_slices(kh, sh, oh):
-        row[:, :, sl] += g
+        rows[:, :, sl] += g
     dxpad = np.zeros((n, c, hp, wp), dy.dtype)
     for sl in _window_slices(kw, sw, ow):
-        dxpad[:, :, :, sl] += row
+        dxpad[:, :, :, sl] += rows
     return np.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + w])
 
 
-# ------------------------------------------------------------------------- LRN
 def _channel_window_sum(a, size, pre):
     """s[:, c] = sum of a[:, c-pre .. c-pre+size-1] (zeros outside)."""
     n, c = a.shape[:2]

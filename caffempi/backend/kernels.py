@@ -26,12 +26,16 @@ def conv2d_backward(xp, x, w, dy, geom, group, need_dx=True, need_dw=True, x_sha
     return _impl(xp, "conv2d_backward")(x, w, dy, geom, group, need_dx, need_dw, x_shape)
 
 
+def bias_grad(xp, dy):
+    return _impl(xp, "bias_grad")(dy)
+
+
 def max_pool_forward(xp, x, geom, oh, ow):
     return _impl(xp, "max_pool_forward")(x, geom, oh, ow)
 
 
-def max_pool_backward(xp, dy, idx, x_shape):
-    return _impl(xp, "max_pool_backward")(dy, idx, x_shape)
+def max_pool_backward(xp, dy, idx, x_shape, overlapping=True):
+    return _impl(xp, "max_pool_backward")(dy, idx, x_shape, overlapping)
 
 
 def ave_pool_forward(xp, x, geom, oh, ow):

@@ -27,6 +27,7 @@ def _two(layer, repeated, h, w, has_h, has_w, name, default):
 
 
 class _ConvBase(Layer):
+    backward_reads_top_data = False     # memory planner (see Layer)
     min_bottom = 1
     min_top = 1
     transposed = False      # Deconvolution
@@ -126,7 +127,7 @@ class _ConvBase(Layer):
         for i, (t, b) in enumerate(zip(top, bottom)):
             dy = t.diff
             if self.bias_term:
-                self.blobs[1].diff += dy.sum(axis=(0, 2, 3))
+                self.blobs[1].diff += kernels.bias_grad(self.xp, dy)
             if self.transposed:
                 # a deconvolution is the data-gradient of a convolution whose
                 # input is our top: swap the roles of x and y

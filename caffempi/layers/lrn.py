@@ -13,6 +13,8 @@ from .base import Layer, register
 
 @register("LRN")
 class LRNLayer(Layer):
+    backward_state = ("scale",)         # memory planner (see Layer)
+    recompute_cheap = True
     exact_num_bottom = 1
     exact_num_top = 1
 

@@ -36,6 +36,11 @@ def pooled_size(size, k, s, p, ceil_mode=True):
 
 @register("Pooling")
 class PoolingLayer(Layer):
+    # memory planner (see Layer): MAX keeps its argmax, AVE needs shapes only
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    backward_state = ("argmax",)
+    recompute_cheap = True
     exact_num_bottom = 1
     min_top = 1
     max_top = 2
@@ -106,6 +111,8 @@ class PoolingLayer(Layer):
             return
         dy = top[0].diff
         if self.method == _PP.MAX:
-            bottom[0].diff = kernels.max_pool_backward(self.xp, dy, self.argmax, bottom[0].shape)
+            kh, kw, sh, sw = self.geom[:4]
+            overlapping = kh > sh or kw > sw
+            bottom[0].diff = kernels.max_pool_backward(self.xp, dy, self.argmax, bottom[0].shape, overlapping)
         else:
             bottom[0].diff = kernels.ave_pool_backward(self.xp, dy, self.geom, bottom[0].shape)

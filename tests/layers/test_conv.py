@@ -84,6 +84,7 @@ CASES = [
     ("num_output: 4 kernel_size: 1 group: 2 bias_term: false", (1, 1), (0, 0), (1, 1), 2, False),
     ("num_output: 2 kernel_size: 3 kernel_size: 2 stride: 2 stride: 1 dilation: 1 dilation: 2",
      (2, 1), (0, 0), (1, 2), 1, True),
+    ("num_output: 2 kernel_size: 2 dilation: 2", (1, 1), (0, 0), (2, 2), 1, True),
 ]
 
 
@@ -139,11 +140,16 @@ def test_two_bottoms_share_weights():
     check_gradient(conv_text("num_output: 3 kernel_size: 3"), [x1, x2], num_top=2)
 
 
-def test_large_batch_uses_chunks_consistently():
+@pytest.mark.parametrize("text", [
+    "num_output: 6 kernel_size: 3 pad: 1 group: 2",      # dx as a flipped convolution
+    "num_output: 6 kernel_size: 3 group: 2",             # dx by GEMM + col2im (wide rows)
+    "num_output: 6 kernel_size: 3 stride: 2 group: 2",   # dx by GEMM + strided col2im
+])
+def test_large_batch_uses_chunks_consistently(text):
     # a batch big enough to be cut into several im2col chunks
     from caffempi.backend import cpu
     x = rand(64, 8, 12, 12)
-    layer, bottom, top = run_layer(conv_text("num_output: 6 kernel_size: 3 pad: 1 group: 2"), [x])
+    layer, bottom, top = run_layer(conv_text(text), [x])
     w = layer.blobs[0].data
     old = cpu._COL_CHUNK_BYTES
     try:
@@ -160,6 +166,13 @@ def test_large_batch_uses_chunks_consistently():
     np.testing.assert_allclose(gx_s, gx_b, atol=1e-10)
     np.testing.assert_allclose(gw_s, gw_b, atol=1e-9)
     np.testing.assert_allclose(y_big, top[0].data - layer.blobs[1].data.reshape(1, -1, 1, 1), atol=1e-10)
+    # and against the loops on a few images
+    w, b = layer.blobs[0].data, layer.blobs[1].data
+    kh, kw, sh, sw, ph, pw, dh, dw = layer.geom
+    np.testing.assert_allclose(top[0].data[:2], ref_conv(x[:2], w, b, (sh, sw), (ph, pw), (dh, dw), 2), atol=1e-10)
+    # dx is the adjoint of the forward: <conv(x'), dy> == <x', dx>
+    xr = rand(*x.shape, seed=4)
+    np.testing.assert_allclose((cpu.conv2d_forward(xr, w, layer.geom, 2) * dy).sum(), (xr * gx_b).sum(), rtol=1e-10)
 
 
 def test_float32_forward():
@@ -189,3 +202,11 @@ def test_loaded_blob_shape_is_checked():
     layer.blobs = [Blob((4, 2, 3, 3), np, np.float64), Blob((4,), np, np.float64)]
     with pytest.raises(CaffeError):
         run_layer(layer, [np.zeros((1, 3, 5, 5))])
+
+
+def test_kernels_dispatch_only_numpy_for_now():
+    import types
+    from caffempi.backend import kernels
+    fake = types.SimpleNamespace(__name__="fakecupy")
+    with pytest.raises(NotImplementedError, match="fakecupy"):
+        kernels.conv2d_forward(fake, np.zeros((1, 1, 3, 3)), np.zeros((1, 1, 2, 2)), (2, 2, 1, 1, 0, 0, 1, 1), 1)
