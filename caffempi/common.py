@@ -1,6 +1,7 @@
 """Process-wide state shared by layers, nets and solvers: phases, the random
 generator (Caffe's Caffe::rng) and glog-style logging."""
 import logging
+import os
 import sys
 import threading
 import time

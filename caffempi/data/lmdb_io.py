@@ -4,6 +4,7 @@ data.mdb/lock.mdb; keys are bytes in sorted order; values are serialized Datums.
 ``LMDBWriter`` commits in chunks (Caffe's tools commit every 1000 records) and
 grows the map size as needed (doubling on MDB_MAP_FULL)."""
 import os
+import threading
 
 from ..common import CaffeError
 
@@ -25,6 +26,13 @@ def check_backend(backend, where=""):
     return name
 
 
+def looks_like_lmdb(path):
+    """A directory with data.mdb, or a missing path (reported later as missing)."""
+    path = os.fspath(path)
+    return not os.path.exists(path) or os.path.exists(os.path.join(path, "data.mdb")) or \
+        (os.path.isfile(path) and not os.path.isdir(path) and path.endswith(".mdb"))
+
+
 def _lmdb():
     try:
         import lmdb
@@ -33,8 +41,13 @@ def _lmdb():
         raise CaffeError("reading LMDB needs the 'lmdb' package (pip install lmdb)") from None
 
 
+_OPEN = {}          # real path -> [env, users]: py-lmdb opens an environment once per process
+_OPEN_LOCK = threading.Lock()
+
+
 def open_read(path):
-    """Open an existing LMDB read-only; CaffeError naming the path when it is
+    """Open an existing LMDB read-only (shared within the process; give it
+    back with :func:`release`).  CaffeError naming the path when it is
     missing, not an LMDB, or empty.  Returns (env, number of entries)."""
     lmdb = _lmdb()
     path = os.fspath(path)
@@ -42,16 +55,35 @@ def open_read(path):
         raise CaffeError("%s: no such LMDB database" % path)
     if os.path.isdir(path) and not os.path.exists(os.path.join(path, "data.mdb")):
         raise CaffeError("%s: not an LMDB database (no data.mdb in the directory)" % path)
-    try:
-        env = lmdb.open(path, readonly=True, lock=False, readahead=False,
-                        subdir=os.path.isdir(path), max_readers=256)
-    except lmdb.Error as e:
-        raise CaffeError("%s: cannot open LMDB database: %s" % (path, e)) from None
+    real = os.path.realpath(path)
+    with _OPEN_LOCK:
+        if real in _OPEN:
+            env = _OPEN[real][0]
+            _OPEN[real][1] += 1
+        else:
+            try:
+                env = lmdb.open(path, readonly=True, lock=False, readahead=False,
+                                subdir=os.path.isdir(path), max_readers=256)
+            except lmdb.Error as e:
+                raise CaffeError("%s: cannot open LMDB database: %s" % (path, e)) from None
+            _OPEN[real] = [env, 1]
     n = env.stat()["entries"]
     if n == 0:
-        env.close()
+        release(env)
         raise CaffeError("%s: the database is empty" % path)
     return env, n
+
+
+def release(env):
+    """Give back an environment from :func:`open_read` (closed when unused)."""
+    with _OPEN_LOCK:
+        for real, entry in list(_OPEN.items()):
+            if entry[0] is env:
+                entry[1] -= 1
+                if entry[1] <= 0:
+                    del _OPEN[real]
+                    env.close()
+                return
 
 
 def read_all(path):
@@ -61,7 +93,7 @@ def read_all(path):
         with env.begin() as txn:
             return [(bytes(k), bytes(v)) for k, v in txn.cursor()]
     finally:
-        env.close()
+        release(env)
 
 
 class LMDBWriter:

@@ -1,5 +1,5 @@
 """Layer families; importing this package registers every layer type."""
-from . import (conv, inner_product, input, loss, lrn, neuron, normalization,  # noqa: F401
+from . import (conv, data, inner_product, input, loss, lrn, neuron, normalization,  # noqa: F401
                pooling, scale, softmax, structure)
 from .base import LAYER_REGISTRY, Layer, create_layer, register
 

@@ -19,6 +19,7 @@ from ..data import lmdb_io
 from ..data.datum import datum_to_array, parse_datum, pil_to_chw
 from ..data.reader import BatchPrefetcher, lmdb_producer, shard_positions
 from ..data.transformer import DataTransformer
+from ..proto import caffe_pb2
 from .base import Layer, register
 
 
@@ -62,11 +63,12 @@ class _BatchDataLayer(Layer):
             self._prefetcher.stop()
 
     def close(self):
+        """Stop the reader threads and release the source."""
         self._stop_reader()
 
     def __del__(self):
         try:
-            self._stop_reader()
+            self.close()
         except Exception:
             pass
 
@@ -112,7 +114,10 @@ class DataLayer(_BatchDataLayer):
         self.batch_size = int(p.batch_size)
         if self.batch_size <= 0:
             raise self.error("data_param.batch_size must be positive")
-        lmdb_io.check_backend(p.backend, "layer '%s': " % self.name)
+        backend = p.backend
+        if not p.HasField("backend") and lmdb_io.looks_like_lmdb(p.source):
+            backend = caffe_pb2.DataParameter.LMDB     # Caffe's default is LEVELDB; the source is an LMDB
+        lmdb_io.check_backend(backend, "layer '%s' (%s): " % (self.name, p.source))
         self.prefetch = int(p.prefetch) or 1
         self.transformer = DataTransformer(self.param.transform_param, self.phase,
                                            "layer '%s' (Data, %s): " % (self.name, p.source))
@@ -121,18 +126,28 @@ class DataLayer(_BatchDataLayer):
         except CaffeError as e:
             raise self.error("%s", e)
         self._init_state(int(p.rand_skip))
-        with self._env.begin(buffers=False) as txn:
-            cur = txn.cursor()
-            cur.first()
-            key, value = cur.key(), cur.value()
-        arr, _ = self._decode(key, value)
-        self._item_shape = self.transformer.output_shape(arr.shape)
+        try:
+            with self._env.begin(buffers=False) as txn:
+                cur = txn.cursor()
+                cur.first()
+                key, value = cur.key(), cur.value()
+            arr, _ = self._decode(key, value)
+            self._item_shape = self.transformer.output_shape(arr.shape)
+        except BaseException:
+            self.close()
+            raise
 
     def _decode(self, key, value):
         where = "%s key '%s'" % (self.source, _key_str(key))
         d = parse_datum(value, where)
         t = self.transformer
         return datum_to_array(d, t.force_color, t.force_gray, where), d.label
+
+    def close(self):
+        super().close()
+        env, self._env = getattr(self, "_env", None), None
+        if env is not None:
+            lmdb_io.release(env)
 
     def _make_prefetcher(self):
         rank, size = self.data_shard

