@@ -5,3 +5,7 @@ from .net import Net
 
 __version__ = "0.1.0"
 __all__ = ["Blob", "CaffeError", "Net", "TEST", "TRAIN", "set_random_seed"]
+from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: E402
+                      RMSPropSolver, SGDSolver, get_solver)
+__all__ += ["get_solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver",
+            "AdaDeltaSolver", "AdamSolver"]

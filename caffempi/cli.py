@@ -49,6 +49,9 @@ define_flag("sigint_effect", "stop", "Optional; action to take when a SIGINT sig
 define_flag("sighup_effect", "snapshot", "Optional; action to take when a SIGHUP signal is received: "
             "snapshot, stop or none.")
 define_flag("debug", False, "Show Python tracebacks instead of one-line errors.")
+# MPI data parallelism: --comm, --bucket_mb, --sync, --tau, --alpha
+from .parallel.launch import add_parallel_flags  # noqa: E402
+add_parallel_flags(define_flag)
 
 
 class Flags:
@@ -227,9 +230,14 @@ def train(flags):
     if flags.weights and not flags.snapshot:
         param.weights.append(flags.weights)
     xp = select_backend(flags, param)
+    # Under mpirun: MPI, per-rank logging, abort on any rank's error, the
+    # gradient reducer.  Without a launcher: one process, no MPI import.
+    from .parallel.launch import setup_parallel
+    _, reducer = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
+                                debug=flags.debug)
     handler = SignalHandler(flags.sigint_effect, flags.sighup_effect)
     try:
-        solver = get_solver(param, xp=xp, source=flags.solver)
+        solver = get_solver(param, xp=xp, source=flags.solver, reducer=reducer)
         solver.set_action_function(handler.get_action)
         if flags.snapshot:
             log.info("Resuming from %s", flags.snapshot)
@@ -321,13 +329,25 @@ def main(argv=None):
         if debug:
             raise
         msg = " ".join(str(e).split()) or e.__class__.__name__
-        print("%s: error: %s" % (PROG, msg), file=sys.stderr)
-        return 1
+        print("%s%s: error: %s" % (_rank_prefix(), PROG, msg), file=sys.stderr)
+        return _exit_code(1)
     except KeyboardInterrupt:
         if debug:
             raise
-        print("%s: error: interrupted" % PROG, file=sys.stderr)
-        return 1
+        print("%s%s: error: interrupted" % (_rank_prefix(), PROG), file=sys.stderr)
+        return _exit_code(1)
+
+
+def _rank_prefix():
+    from .parallel.comm import _world
+    return "[rank %d] " % _world.rank if _world is not None and _world.size > 1 else ""
+
+
+def _exit_code(rc):
+    """Under MPI a failing rank aborts the whole job (MPI_Abort) instead of
+    exiting alone, which would leave the other ranks waiting forever."""
+    from .parallel.launch import exit_code
+    return exit_code(rc)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -32,8 +32,10 @@ class NesterovSolver(SGDSolver):
     type = "Nesterov"
 
     def compute_update_value(self, rate):
+        if getattr(self, "_update", None) is None:
+            self._update = self.xp.zeros_like(self._tmp)
         updates.nesterov(self.xp, self.net.param_diff, self.history[0], self._tmp,
-                         self.local_rate(rate), self.param.momentum)
+                         self.local_rate(rate), self.param.momentum, self._update)
 
 
 class AdaGradSolver(SGDSolver):

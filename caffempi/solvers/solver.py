@@ -420,7 +420,10 @@ class Solver:
         wd = f32(self.param.weight_decay)
         if not wd:
             return
-        local_decay = wd * self.decay_mult
+        cached = getattr(self, "_local_decay", None)
+        if cached is None or cached[0] != wd:
+            cached = self._local_decay = (wd, wd * self.decay_mult)
+        local_decay = cached[1]
         if np.ndim(local_decay) == 0 and not local_decay:
             return
         xp, data, diff, tmp = self.xp, self.net.param_data, self.net.param_diff, self._tmp
@@ -654,13 +657,13 @@ class Solver:
 
     def _extra_state(self):
         """Our additions to SolverState (JSON in field caffempi_state)."""
+        window = {"losses": list(self._losses), "smoothed": self.smoothed_loss, "base": self._loss_base}
         mine = {"rng": _rng_state_to_json(common.get_rng_state()),
                 "train_data": self.net.data_state(),
-                "test_data": [tn.data_state() for tn in self.test_nets]}
+                "test_data": [tn.data_state() for tn in self.test_nets],
+                "loss_window": window}
         ranks = self.reducer.gather_object(mine)
-        return {"version": 1, "ranks": ranks,
-                "loss_window": {"losses": list(self._losses), "smoothed": self.smoothed_loss,
-                                "base": self._loss_base}}
+        return {"version": 1, "ranks": ranks, "loss_window": window}
 
     def snapshot(self):
         """Write <prefix>_iter_<N>.caffemodel (or .caffemodel.h5) and the
@@ -815,15 +818,18 @@ class Solver:
             self.history[which][off:off + blob.count] = self.xp.asarray(arr.reshape(-1), np.float32)
 
     def _restore_extra(self, extra, path):
-        lw = extra.get("loss_window")
-        if lw:
-            self._pending_window = ([float(v) for v in lw["losses"]], float(lw["smoothed"]), int(lw["base"]))
+        def set_window(lw):
+            if lw:
+                self._pending_window = ([float(v) for v in lw["losses"]], float(lw["smoothed"]),
+                                        int(lw["base"]))
+        set_window(extra.get("loss_window"))
         ranks = extra.get("ranks") or []
         if len(ranks) != self.reducer.size:
             self._warn("%s was written by %d process(es), this run has %d: data position and random "
                        "state not restored", path, len(ranks), self.reducer.size)
             return
         mine = ranks[self.reducer.rank]
+        set_window(mine.get("loss_window"))
         if mine.get("rng"):
             common.set_rng_state(_rng_state_from_json(mine["rng"]))
         self.net.set_data_state(mine.get("train_data") or {})

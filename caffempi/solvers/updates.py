@@ -37,9 +37,12 @@ def sgd(xp, diff, hist, tmp, local_rate, momentum):
     diff[...] = hist
 
 
-def nesterov(xp, diff, hist, tmp, local_rate, momentum):
+def nesterov(xp, diff, hist, tmp, local_rate, momentum, update=None):
     m = f32(momentum)
-    update = hist.copy()                       # history saved for stepping back
+    if update is None:
+        update = hist.copy()                   # history saved for stepping back
+    else:
+        update[...] = hist
     axpby(xp, local_rate, diff, m, hist, tmp)  # update history
     # diff = (1 + m) * h - m * update
     xp.multiply(hist, f32(1) + m, out=diff)

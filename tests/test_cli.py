@@ -1,0 +1,176 @@
+"""`python -m caffempi train|test` as a subprocess, with tiny prototxts."""
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from caffempi.cli import parse_args
+from caffempi.common import CaffeError
+from caffempi.proto import caffe_pb2
+
+REPO = Path(__file__).resolve().parents[1]
+
+NET = """name: "cls"
+layer { name: "data" type: "DummyData" top: "x" top: "label"
+  dummy_data_param { shape { dim: 8 dim: 5 } shape { dim: 8 }
+    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
+  inner_product_param { num_output: %d weight_filler { type: "gaussian" std: 0.1 } } }
+layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy"
+  include { phase: TEST } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+SOLVER = """net: "net.prototxt"
+base_lr: 0.1
+lr_policy: "step" gamma: 0.5 stepsize: 2
+momentum: 0.9
+max_iter: 4
+display: 1
+test_iter: 2
+test_interval: 2
+snapshot: 2
+snapshot_prefix: "snap"
+random_seed: 5
+solver_mode: CPU
+"""
+
+
+def caffempi(tmp_path, *args, timeout=60):
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    return subprocess.run([sys.executable, "-m", "caffempi"] + list(args), cwd=str(tmp_path), env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+@pytest.fixture
+def workdir(tmp_path):
+    (tmp_path / "net.prototxt").write_text(NET % 3)
+    (tmp_path / "solver.prototxt").write_text(SOLVER)
+    return tmp_path
+
+
+def assert_one_line_error(res, pattern):
+    assert res.returncode == 1, res.stderr
+    assert "Traceback" not in res.stderr, res.stderr
+    errors = [l for l in res.stderr.splitlines() if l.startswith("caffempi: error: ")]
+    assert len(errors) == 1, res.stderr
+    assert re.search(pattern, errors[0]), errors[0]
+
+
+def test_train_then_resume_gives_identical_weights(workdir):
+    res = caffempi(workdir, "train", "--solver=solver.prototxt")
+    assert res.returncode == 0, res.stderr
+    assert "Optimization Done." in res.stderr
+    assert "Snapshotting to binary proto file snap_iter_2.caffemodel" in res.stderr
+    assert "Snapshotting solver state to binary proto file snap_iter_4.solverstate" in res.stderr
+    straight = (workdir / "snap_iter_4.caffemodel").read_bytes()
+    (workdir / "snap_iter_4.caffemodel").unlink()
+    res = caffempi(workdir, "train", "-solver", "solver.prototxt", "--snapshot", "snap_iter_2.solverstate")
+    assert res.returncode == 0, res.stderr
+    assert "Resuming from snap_iter_2.solverstate" in res.stderr
+    assert (workdir / "snap_iter_4.caffemodel").read_bytes() == straight
+
+
+def test_test_command_output(workdir):
+    assert caffempi(workdir, "train", "--solver", "solver.prototxt").returncode == 0
+    res = caffempi(workdir, "test", "-model=net.prototxt", "-weights", "snap_iter_4.caffemodel",
+                   "--iterations=3")
+    assert res.returncode == 0, res.stderr
+    err = res.stderr
+    assert "Running for 3 iterations." in err
+    for b in range(3):
+        assert re.search(r"\] Batch %d, accuracy = [\d.]+\n" % b, err)
+        assert re.search(r"\] Batch %d, loss = [\d.]+\n" % b, err)
+    assert re.search(r"\] Loss: [\d.]+\n", err)
+    assert re.search(r"\] accuracy = [\d.]+\n", err)
+    m = re.search(r"\] loss = ([\d.]+) \(\* 1 = ([\d.]+) loss\)\n", err)
+    assert m and m.group(1) == m.group(2)
+
+
+def test_weights_finetune_and_shape_mismatch(workdir):
+    assert caffempi(workdir, "train", "--solver=solver.prototxt").returncode == 0
+    res = caffempi(workdir, "train", "--solver=solver.prototxt", "--weights=snap_iter_4.caffemodel")
+    assert res.returncode == 0 and "Finetuning from snap_iter_4.caffemodel" in res.stderr
+    (workdir / "net.prototxt").write_text(NET % 4)
+    res = caffempi(workdir, "train", "--solver=solver.prototxt", "--weights=snap_iter_4.caffemodel")
+    assert_one_line_error(res, r"layer 'ip'.*\(3, 5\).*\(4, 5\)")
+
+
+@pytest.mark.parametrize("solver_text,args,pattern", [
+    (None, ["train", "--solver=nope.prototxt"], "nope.prototxt does not exist"),
+    ('net: "missing_net.prototxt" base_lr: 0.1 lr_policy: "fixed"', [], "missing_net.prototxt"),
+    ('net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" type: "Fancy"', [], "unknown solver type 'Fancy'"),
+    ('net: "net.prototxt" base_lr: 0.1 lr_policy: "zigzag"', [], "unknown lr_policy 'zigzag'"),
+    ('train_net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" test_iter: 2 test_interval: 2', [],
+     "test_iter .*no test net"),
+    ('net: "net.prototxt" base_lr: 0.1 lr_policy: "fixed" bogus_field: 1', [], r"bogus_field"),
+    (None, ["train", "--solver=solver.prototxt", "--bogus=1"], "unknown flag --bogus"),
+    (None, ["train", "--solver=solver.prototxt", "--snapshot=x.solverstate", "--weights=y"], "not both"),
+    (None, ["frobnicate"], "unknown command 'frobnicate'"),
+    (None, ["train", "--sigint_effect=explode", "--solver=solver.prototxt"], "explode"),
+    (None, ["test", "--model=net.prototxt"], "weights"),
+])
+def test_bad_input_is_one_clean_line(workdir, solver_text, args, pattern):
+    if solver_text is not None:
+        (workdir / "s.prototxt").write_text(solver_text)
+        args = ["train", "--solver=s.prototxt"]
+    assert_one_line_error(caffempi(workdir, *args), pattern)
+
+
+def test_solverstate_with_missing_learned_net(workdir):
+    state = caffe_pb2.SolverState(iter=2, learned_net="gone_iter_2.caffemodel")
+    (workdir / "gone.solverstate").write_bytes(state.SerializeToString())
+    res = caffempi(workdir, "train", "--solver=solver.prototxt", "--snapshot=gone.solverstate")
+    assert_one_line_error(res, "learned_net gone_iter_2.caffemodel does not exist")
+    res = caffempi(workdir, "train", "--solver=solver.prototxt", "--snapshot=gone.solverstate", "--debug")
+    assert res.returncode != 0 and "Traceback" in res.stderr
+
+
+def test_flag_forms():
+    for argv in (["train", "--solver=s", "--iterations=3"], ["train", "--solver", "s", "-iterations", "3"],
+                 ["-solver=s", "train", "-iterations=3"]):
+        cmd, flags, _ = parse_args(argv)
+        assert cmd == "train" and flags.solver == "s" and flags.iterations == 3
+    assert parse_args(["test", "--debug"])[1].debug is True
+    with pytest.raises(CaffeError, match="needs a value"):
+        parse_args(["train", "--solver"])
+    with pytest.raises(CaffeError, match="invalid value for --iterations"):
+        parse_args(["test", "--iterations=many"])
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGHUP"), reason="POSIX signals")
+def test_sighup_snapshots_and_sigint_stops(workdir):
+    (workdir / "solver.prototxt").write_text(SOLVER.replace("max_iter: 4", "max_iter: 1000000")
+                                             .replace("snapshot: 2", "snapshot: 0")
+                                             .replace("test_interval: 2", "test_interval: 1000000"))
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + [p for p in [env.get("PYTHONPATH")] if p])
+    proc = subprocess.Popen([sys.executable, "-m", "caffempi", "train", "--solver=solver.prototxt"],
+                            cwd=str(workdir), env=env, stderr=subprocess.PIPE, text=True)
+    lines = []
+    deadline = time.time() + 30
+    try:
+        for line in proc.stderr:
+            lines.append(line)
+            if "Iteration 3 (" in line:
+                break
+            if time.time() > deadline:
+                pytest.fail("no 'Iteration 3' line within 30 s:\n" + "".join(lines[-20:]))
+        proc.send_signal(signal.SIGHUP)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        _, rest = proc.communicate(timeout=60)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    err = "".join(lines) + rest
+    assert proc.returncode == 0, err
+    assert "Optimization stopped early." in err
+    snaps = sorted(p.name for p in workdir.glob("snap_iter_*.solverstate"))
+    assert len(snaps) == 2, snaps   # SIGHUP's, then the stop's (snapshot_after_train)
