@@ -55,7 +55,7 @@ def main():
             print("\n%s, batch %d, %d BLAS thread(s): forward %.2f ms, backward %.2f ms, total %.2f ms"
                   % (name, batch, threads, r["forward_ms"], r["backward_ms"], r["forward_backward_ms"]))
             print("  %-14s %10s %10s" % ("layer", "fwd ms", "bwd ms"))
-            for layer, (f, b) in r["layers"].items():
+            for layer, f, b in r["layers"]:
                 print("  %-14s %10.3f %10.3f" % (layer, f, b))
             summary.append((name, batch, threads, r["forward_backward_ms"]))
     print("\nSummary (forward+backward ms per iteration)")

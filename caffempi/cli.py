@@ -48,6 +48,8 @@ define_flag("sigint_effect", "stop", "Optional; action to take when a SIGINT sig
             "snapshot, stop or none.")
 define_flag("sighup_effect", "snapshot", "Optional; action to take when a SIGHUP signal is received: "
             "snapshot, stop or none.")
+define_flag("data_shape", "", "Optional; for 'time': C,H,W of images from a data layer whose source "
+            "cannot be read and whose prototxt does not say the size.")
 define_flag("debug", False, "Show Python tracebacks instead of one-line errors.")
 # MPI data parallelism: --comm, --bucket_mb, --sync, --tau, --alpha
 from .parallel.launch import add_parallel_flags  # noqa: E402

@@ -1,11 +1,14 @@
 """Real Caffe prototxts from ../shared/caffe-zoo build with Caffe's blob shapes
 and run forward and backward at batch 1."""
+import subprocess
+import sys
+
 import numpy as np
 import pytest
 
 from caffempi import Net, TEST, TRAIN
 from caffempi.io import proto_io
-from caffempi.timing import randomize_inputs, substitute_data_layers
+from caffempi.timing import randomize_inputs, substitute_data_layers, time_net
 
 # Per-image shape of the data layers whose prototxt does not say it (no crop).
 DATA_SHAPES = {
@@ -81,5 +84,33 @@ def test_every_zoo_net_runs_forward_backward(zoo):
             assert np.isfinite(net.param_diff).all(), (path, phase)
             if phase == TRAIN and net.param_diff.size and any(w for w in net.loss_weights):
                 assert np.abs(net.param_diff).sum() > 0, path
+                lines = []
+                result = time_net(net, 1, report=lambda *a: lines.append(a[0] % a[1:]))
+                assert len(result["layers"]) == len(net.layers)
+                assert any(l.startswith("Average Forward-Backward") for l in lines)
             ran.append((path.name, phase))
     assert len(ran) >= 2 * 26
+
+
+@pytest.mark.parametrize("rel,extra", [
+    ("bvlc/examples/cifar10/cifar10_quick_train_test.prototxt", ["--data_shape=3,32,32"]),
+    ("squeezenet/v1.1/deploy.prototxt", []),
+])
+def test_time_command_on_zoo_nets(zoo, rel, extra):
+    """`caffempi time` on a train_val net with unreadable data (random input
+    with a warning) and on a deploy net."""
+    out = subprocess.run([sys.executable, "-m", "caffempi", "time", "--model=%s" % (zoo / rel),
+                          "--iterations=1"] + extra, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "Average Forward pass" in out.stderr and "Average Backward pass" in out.stderr
+    assert "Average Forward-Backward" in out.stderr
+    if extra:
+        assert "random input" in out.stderr
+
+
+def test_time_command_needs_image_size(zoo):
+    rel = "bvlc/examples/cifar10/cifar10_quick_train_test.prototxt"
+    out = subprocess.run([sys.executable, "-m", "caffempi", "time", "--model=%s" % (zoo / rel),
+                          "--iterations=1"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 1
+    assert "--data_shape" in out.stderr and "Traceback" not in out.stderr
