@@ -138,6 +138,10 @@ class MPIWorld(SingleWorld):
     def abort(self, code=1):
         sys.stdout.flush()
         sys.stderr.flush()
+        # give the launcher a moment to forward this rank's last output
+        # before MPI_Abort makes it kill every rank
+        import time
+        time.sleep(0.3)
         try:
             self.comm.Abort(code)
         finally:  # Abort does not return; belt and braces

@@ -87,3 +87,67 @@ class ElasticAverager:
         if c is not None:
             self.center = np.array(c, copy=True)
             self.delta = np.empty_like(self.center)
+
+
+def _reducer_base():
+    from .reducer import Reducer
+    return Reducer
+
+
+class EASGDReducer(_reducer_base()):
+    """The solver's reducer for ``--sync=easgd``: gradients stay local (each
+    rank steps on its own batch), and after every update
+    :meth:`after_update` runs the elastic averaging every ``tau`` steps.
+    Displayed losses, test scores and signal actions are combined as in the
+    gradient-averaging reducer."""
+
+    def __init__(self, world, tau=10, alpha=0.2):
+        super().__init__(world, comm="blocking")
+        self.averager = ElasticAverager(world, tau, alpha)
+        self._started = False
+
+    def attach(self, net, iter_size=1):
+        self.net = net
+        self.iter_size = iter_size
+        if self.is_root and self.active:
+            from ..common import log
+            log.info("Elastic averaging over %d ranks: tau = %d, alpha = %g", self.size,
+                     self.averager.tau, self.averager.alpha)
+
+    def broadcast_params(self, net, root=0):
+        super().broadcast_params(net, root)
+        self.averager.start(net.param_data)
+        self._started = True
+
+    def start_iteration(self, net, iter_size=None):
+        if self.net is not net:
+            self.attach(net, iter_size or 1)
+
+    def before_pass(self, net, index, last):
+        pass
+
+    def finish(self, net):
+        self.last_exposed = 0.0
+        self.iterations += 1
+        self._updated = True
+        return 0.0
+
+    def combine_action(self, action):
+        # The solver polls the signal action once right after each update
+        # (and once per test batch): the first poll after a finish() is the
+        # point "after the local step" where AllReduceEA averages.
+        if getattr(self, "_updated", False):
+            self.after_update(self.net)
+        return super().combine_action(action)
+
+    def after_update(self, net):
+        """After each local update (called by combine_action, or by a solver
+        that calls it directly; once per update either way)."""
+        if not getattr(self, "_updated", False):
+            return
+        self._updated = False
+        if not self._started:
+            self.averager.start(net.param_data)
+            self._started = True
+        if self.active:
+            self.averager.after_update(net.param_data)

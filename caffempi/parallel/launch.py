@@ -7,7 +7,6 @@ import sys
 import threading
 import traceback
 
-import numpy as np
 
 from ..common import CaffeError, init_logging, log
 from .comm import get_world
@@ -26,16 +25,22 @@ def init_rank_logging(world=None, level=logging.INFO, stream=None):
 
 
 def _report(world, exc_type, exc, tb, debug=False):
+    """Print this rank's error to stderr (directly, not through logging, so
+    it is out before MPI_Abort tears the job down)."""
     prefix = "[rank %d] " % world.rank if world.size > 1 else ""
     try:
         if issubclass(exc_type, CaffeError) and not debug:
-            msg = "%s%s" % (prefix, exc)
+            msg = "%scaffempi: error: %s" % (prefix, " ".join(str(exc).split()))
         else:
             msg = prefix + "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
-        log.error("%s", msg) if log.handlers else sys.stderr.write(msg + "\n")
     except Exception:
-        sys.stderr.write("%s%s: %s\n" % (prefix, exc_type.__name__, exc))
-    sys.stderr.flush()
+        msg = "%s%s: %s" % (prefix, exc_type.__name__, exc)
+    try:
+        sys.stdout.flush()
+        sys.stderr.write(msg + "\n")
+        sys.stderr.flush()
+    except Exception:
+        os.write(2, (msg + "\n").encode("utf-8", "replace"))
 
 
 def abort_job(world=None, code=1):
@@ -154,3 +159,54 @@ class StopFlag:
         if hasattr(signal, "SIGHUP"):
             signal.signal(signal.SIGHUP, on_hup)
         return self
+
+
+# ------------------------------------------------------------ CLI entry seam
+def add_parallel_flags(define_flag):
+    """The data-parallel flags, defined through the CLI's define_flag."""
+    from .reducer import DEFAULT_BUCKET_MB
+    define_flag("comm", "overlap", "Optional; MPI gradient averaging: overlap (Iallreduce per bucket "
+                "during backward, polled between layers), thread (a communication thread), async "
+                "(MPICH progress thread), nopoll, or blocking (one allreduce after backward).")
+    define_flag("bucket_mb", DEFAULT_BUCKET_MB, "Optional; allreduce bucket size in MB (whole layers, "
+                "reverse layer order; the first bucket is at most 1 MB).")
+    define_flag("sync", "sgd", "Optional; sgd (average gradients every iteration) or easgd "
+                "(elastic averaging every --tau steps).")
+    define_flag("tau", 10, "Optional; EASGD communication period in iterations.")
+    define_flag("alpha", 0.2, "Optional; EASGD moving rate.")
+
+
+def setup_parallel(comm="overlap", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
+                   level=logging.INFO):
+    """Everything a rank does before building its solver: the world (MPI only
+    under a launcher), per-rank logging, abort on errors, the reducer.
+    Returns (world, reducer); pass ``reducer=`` to the solver."""
+    from .reducer import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, COMM_MODES, Reducer
+    if comm not in COMM_MODES:
+        raise CaffeError("unknown --comm '%s' (one of %s)" % (comm, ", ".join(COMM_MODES)))
+    world = get_world(async_progress=(comm == "async"))
+    init_rank_logging(world, level)
+    install_abort_handlers(world, debug)
+    if world.size > 1 and world.rank == 0:
+        log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
+                 world.processor_name())
+    blas_threads_hint(world)
+    if sync == "easgd":
+        from .easgd import EASGDReducer
+        reducer = EASGDReducer(world, tau, alpha)
+    elif sync == "sgd":
+        bucket = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
+        reducer = Reducer(world, comm, bucket, min(bucket, DEFAULT_FIRST_BUCKET_MB))
+    else:
+        raise CaffeError("unknown --sync '%s' (sgd or easgd)" % sync)
+    return world, reducer
+
+
+def exit_code(rc, world=None):
+    """Under MPI a rank that fails must not just exit (the others would wait
+    in a collective, and mpi4py's MPI_Finalize at exit would hang): abort the
+    whole job with rc instead.  Returns rc when it is 0 or there is one rank."""
+    world = world or get_world()
+    if rc and world.size > 1:
+        world.abort(int(rc))
+    return rc

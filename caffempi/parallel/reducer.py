@@ -47,6 +47,7 @@ DEFAULT_FIRST_BUCKET_MB = 1.0
 class LocalTransport:
     """One rank: nothing to do."""
     name = "local"
+    device_buffers = True
 
     def allreduce_start(self, buf):
         return None
@@ -66,6 +67,7 @@ class LocalTransport:
 
 class MPIHostTransport:
     """Sum over ranks of NumPy buffers with MPI (non-blocking, or a thread)."""
+    device_buffers = False     # a CUDA-aware MPI / NCCL transport sets True
 
     def __init__(self, world, mode="overlap"):
         self.world = world
@@ -78,6 +80,7 @@ class MPIHostTransport:
         self.name = "mpi-host-" + mode
         self._pending = []
         self.comm_seconds = 0.0          # time inside blocking Allreduce calls
+        self.poll_sleep = 50e-6          # between polls while waiting in finish()
         self._thread = None
         if mode == "thread":
             if world.thread_level < self.MPI.THREAD_MULTIPLE:
@@ -118,7 +121,14 @@ class MPIHostTransport:
             if self._error is not None:
                 raise self._error
             return
-        handle.Wait()
+        # MPI_Wait spins on the core; when the other rank is still computing
+        # (the usual reason to wait here) that steals CPU from whatever shares
+        # the core.  Poll instead, sleeping ~50 us between polls.
+        spins = 0
+        while not handle.Test():
+            spins += 1
+            if spins > 20:
+                time.sleep(self.poll_sleep)
         self._pending = [r for r in self._pending if r != self.MPI.REQUEST_NULL]
 
     def _run(self):
@@ -220,6 +230,7 @@ class Reducer:
         self._pass = 0
         self._armed = False
         self._explicit = False
+        self._warned_test = set()
         # timings of the last iteration (seconds)
         self.last_exposed = 0.0       # wait in finish() after backward
         self.last_comm = 0.0          # time inside blocking allreduce calls
@@ -243,6 +254,11 @@ class Reducer:
         self._top_layer = len(net.layers) - 1
         if not self.active:
             return
+        if not isinstance(net.param_diff, np.ndarray) and not getattr(self.transport, "device_buffers", False):
+            # the seam for the GPU issue: a transport with device_buffers = True
+            # (CUDA-aware MPI or NCCL) takes CuPy buffers; this one is host-only
+            raise CaffeError("the %s transport needs host (NumPy) gradient buffers; GPU training on "
+                             "several ranks needs a CUDA-aware MPI or NCCL transport" % self.transport.name)
         if self.comm != "blocking":
             self.buckets = make_buckets(net, self.bucket_mb, self.first_bucket_mb)
             self._ready = {b[0]: k for k, b in enumerate(self.buckets)}
@@ -361,11 +377,20 @@ class Reducer:
 
     # -------------------------------------------------------------- testing
     def test_share(self, test_iter):
-        """Test iterations this rank runs: rank r takes the batches r, r+N, ...
+        """Test iterations this rank runs: ceil(test_iter / N) on every rank.
         With the data sharding (record i to rank i mod N) and N dividing
-        test_iter, the ranks together test the records one process would."""
-        n, r = divmod(int(test_iter), self.size)
-        return n + (1 if self.rank < r else 0)
+        test_iter, the ranks together test exactly the records one process
+        would.  Otherwise every rank still runs the same count (the solver
+        polls signal actions collectively per test batch, so unequal counts
+        would mismatch collectives): N*ceil(test_iter/N) batches are tested,
+        a little more than one process would, and rank 0 warns once."""
+        n = -(-int(test_iter) // self.size)
+        if self.size > 1 and int(test_iter) % self.size and self.is_root \
+                and test_iter not in self._warned_test:
+            self._warned_test.add(test_iter)
+            log.warning("test_iter %d is not a multiple of the %d ranks: testing %d batches "
+                        "(%d per rank)", test_iter, self.size, n * self.size, n)
+        return n
 
     def combine_test(self, sums, count):
         """sums: per-output sums of the batch values over this rank's count

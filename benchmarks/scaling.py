@@ -1,0 +1,363 @@
+#!/usr/bin/env python
+"""2-rank data-parallel scaling on this machine: LeNet and CIFAR10-quick.
+
+For each net, at the same per-rank batch and 1 BLAS thread per process:
+
+  independent   two single-process trainers started at the same time
+  mpi/<comm>    `mpiexec -n 2`, one model, gradients averaged (--comm)
+
+Prints aggregate images/s, efficiency (the 2-rank job's aggregate over the
+independent pair's), and per iteration in ms: compute (forward+backward+
+update), allreduce (a blocking allreduce of the whole gradient, measured
+alone after the run), exposed (time spent in the reducer's wait after
+backward), split into skew (waiting for the other rank to finish its
+backward, from the ranks' common monotonic clock) and comm (what is left:
+communication not hidden behind the slowest rank's backward).  --json writes everything (tools/scaling_model.py reads it).
+
+    .venv/bin/python benchmarks/scaling.py                  # both nets, overlap+blocking
+    .venv/bin/python benchmarks/scaling.py --nets lenet --comm overlap,thread,async,nopoll,blocking
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+NETS = {
+    "lenet": ("models/mnist/lenet_train_test.prototxt", (1, 28, 28)),
+    "cifar10_quick": ("models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32)),
+}
+
+# The same nets as Caffe's examples, used when models/ is absent.
+LENET = """name: "LeNet"
+layer { name: "mnist" type: "Data" top: "data" top: "label" include { phase: TRAIN }
+  transform_param { scale: 0.00390625 } data_param { source: "missing_lmdb" batch_size: 64 backend: LMDB } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" param { lr_mult: 1 } param { lr_mult: 2 }
+  convolution_param { num_output: 20 kernel_size: 5 stride: 1 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2" param { lr_mult: 1 } param { lr_mult: 2 }
+  convolution_param { num_output: 50 kernel_size: 5 stride: 1 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1" param { lr_mult: 1 } param { lr_mult: 2 }
+  inner_product_param { num_output: 500 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
+layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2" param { lr_mult: 1 } param { lr_mult: 2 }
+  inner_product_param { num_output: 10 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+CIFAR10_QUICK = """name: "CIFAR10_quick"
+layer { name: "cifar" type: "Data" top: "data" top: "label" include { phase: TRAIN }
+  data_param { source: "missing_lmdb" batch_size: 100 backend: LMDB } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" param { lr_mult: 1 } param { lr_mult: 2 }
+  convolution_param { num_output: 32 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.0001 } bias_filler { type: "constant" } } }
+layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
+layer { name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }
+layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2" param { lr_mult: 1 } param { lr_mult: 2 }
+  convolution_param { num_output: 32 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.01 } bias_filler { type: "constant" } } }
+layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
+layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2" pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "conv3" type: "Convolution" bottom: "pool2" top: "conv3" param { lr_mult: 1 } param { lr_mult: 2 }
+  convolution_param { num_output: 64 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.01 } bias_filler { type: "constant" } } }
+layer { name: "relu3" type: "ReLU" bottom: "conv3" top: "conv3" }
+layer { name: "pool3" type: "Pooling" bottom: "conv3" top: "pool3" pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "pool3" top: "ip1" param { lr_mult: 1 } param { lr_mult: 2 }
+  inner_product_param { num_output: 64 weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" } } }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2" param { lr_mult: 1 } param { lr_mult: 2 }
+  inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+BUILTIN = {"lenet": LENET, "cifar10_quick": CIFAR10_QUICK}
+
+
+def load_net_param(name):
+    from google.protobuf import text_format
+    from caffempi.proto import caffe_pb2
+    from caffempi.timing import substitute_data_layers
+    path, shape = NETS[name]
+    p = caffe_pb2.NetParameter()
+    if (REPO / path).exists():
+        from caffempi.io import proto_io
+        p = proto_io.read_net_param(str(REPO / path))
+    else:
+        text_format.Merge(BUILTIN[name], p)
+    return substitute_data_layers(p, shape, only_unreadable=False, warn=False)
+
+
+# ------------------------------------------------------------------ worker
+def worker(args):
+    """One trainer process (under mpiexec or alone); writes JSON to args.out."""
+    import numpy as np
+    from caffempi.common import TRAIN
+    from caffempi.net import Net
+    from caffempi.parallel.comm import get_world
+    from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
+    from caffempi.parallel.reducer import Reducer
+
+    world = get_world(async_progress=(args.comm == "async"))
+    install_abort_handlers(world)
+    net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
+    batch = net.blobs["data"].shape[0]
+    broadcast_weights(net, world)
+    red = Reducer(world, comm=args.comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+    red.attach(net)
+    # per-layer backward times (for the scaling model): hooks fire after each
+    # layer's backward, in descending layer order
+    marks = []
+    net.add_backward_hook(lambda i: marks.append((i, time.perf_counter())))
+    lr = np.float32(0.001)
+    compute, exposed, layer_bw = [], [], np.zeros(len(net.layers))
+    bw_end = []     # perf_counter at backward end (CLOCK_MONOTONIC: one clock per host)
+    fwd_ms, bwd_ms = [], []
+
+    def one(record):
+        net.clear_param_diffs()
+        red.start_iteration(net)
+        t0 = time.perf_counter()
+        net.forward_range()
+        t1 = time.perf_counter()
+        del marks[:]
+        net.backward_range()
+        t2 = time.perf_counter()
+        red.finish(net)
+        t3 = time.perf_counter()
+        net.param_data -= lr * net.param_diff
+        t4 = time.perf_counter()
+        if record:
+            compute.append((t2 - t0) + (t4 - t3))
+            bw_end.append(t2)
+            exposed.append(t3 - t2)
+            fwd_ms.append(t1 - t0)
+            bwd_ms.append(t2 - t1)
+            prev = t1
+            for i, t in marks:
+                layer_bw[i] += t - prev
+                prev = t
+
+    for _ in range(args.warmup):
+        one(False)
+    iter_times = []
+    if args.slot:
+        # Paired alternation: this run and the other kind (independent pair
+        # vs MPI pair) take turns in time slots of args.slot seconds, so both
+        # see the same background load; only whole iterations inside this
+        # run's own slots are timed.
+        world.barrier()
+        for j in range(args.slots):
+            begin = args.t0 + (2 * j + args.parity) * args.slot
+            end = begin + args.slot
+            time.sleep(max(0.0, begin - time.time()))
+            est = 0.0
+            while True:
+                go = time.time() + 1.3 * est < end
+                if world.size > 1:
+                    go = world.bcast(go, 0)
+                if not go:
+                    break
+                t = time.perf_counter()
+                one(True)
+                est = time.perf_counter() - t
+                iter_times.append(est)
+        elapsed = float(np.sum(iter_times))
+        args.iters = len(iter_times)
+    else:
+        world.barrier()
+        t_start = time.perf_counter()
+        for _ in range(args.iters):
+            t = time.perf_counter()
+            one(True)
+            iter_times.append(time.perf_counter() - t)
+        elapsed = time.perf_counter() - t_start
+    # the allreduce alone: a blocking sum of the whole gradient, and per bucket
+    ar = []
+    if world.size > 1:
+        buf = np.ones_like(net.param_diff)
+        for k in range(args.iters):
+            world.barrier()
+            t = time.perf_counter()
+            world.allreduce_sum(buf)
+            ar.append(time.perf_counter() - t)
+    red.close()
+    # exposed time = waiting for the slower rank to finish its backward
+    # (skew) + communication left after the last rank's backward
+    ends = np.array(world.allgather(bw_end)) if world.size > 1 else np.array([bw_end])
+    skew = ends.max(0) - ends[world.rank]
+    res = {"net": args.net, "rank": world.rank, "size": world.size, "comm": args.comm,
+           "batch": batch, "iters": args.iters, "elapsed_s": elapsed,
+           "images_per_s": batch / float(np.median(iter_times)),
+           "step_ms": 1e3 * float(np.median(iter_times)),
+           "mean_step_ms": 1e3 * elapsed / args.iters,
+           "compute_ms": 1e3 * float(np.mean(compute)),
+           "forward_ms": 1e3 * float(np.mean(fwd_ms)), "backward_ms": 1e3 * float(np.mean(bwd_ms)),
+           "exposed_ms": 1e3 * float(np.mean(exposed)),
+           "allreduce_ms": 1e3 * float(np.median(ar)) if ar else 0.0,
+           "skew_ms": 1e3 * float(np.mean(skew)),
+           "comm_exposed_ms": 1e3 * float(np.mean(np.maximum(np.array(exposed) - skew, 0.0))),
+           "grad_mb": net.param_diff.nbytes / 2 ** 20,
+           "buckets": [[b[0], int(b[2] - b[1])] for b in red.buckets],
+           "layers": [{"name": n, "index": i, "backward_ms": 1e3 * layer_bw[i] / args.iters,
+                       "params": int(sum(net.learnable_params[p].count for p, li in
+                                         enumerate(net.param_layer_index) if li == i))}
+                      for i, n in enumerate(net.layer_names)]}
+    res_all = world.allgather(res) if world.size > 1 else [res]
+    if world.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump(res_all, f)
+
+
+# ------------------------------------------------------------------ driver
+def _env():
+    e = dict(os.environ)
+    e["OPENBLAS_NUM_THREADS"] = e["OMP_NUM_THREADS"] = e["MKL_NUM_THREADS"] = "1"
+    e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
+    e.pop("CAFFEMPI_MPI", None)
+    return e
+
+
+def _mpiexec():
+    cand = Path(sys.executable).parent / "mpiexec"
+    return str(cand) if cand.exists() else "mpiexec"
+
+
+def _worker_args(a, net, comm, out, slot=None):
+    args = [sys.executable, __file__, "--worker", "--net", net, "--comm", comm, "--iters", str(a.iters),
+            "--warmup", str(a.warmup), "--bucket_mb", str(a.bucket_mb),
+            "--first_bucket_mb", str(a.first_bucket_mb), "--out", out]
+    if slot:
+        args += ["--slot", str(slot[0]), "--slots", str(slot[1]), "--t0", repr(slot[2]),
+                 "--parity", str(slot[3])]
+    return args
+
+
+def _start_independent(a, net, n, slot=None):
+    outs = [tempfile.mktemp(suffix=".json") for _ in range(n)]
+    env = _env()
+    env["CAFFEMPI_MPI"] = "0"
+    procs = [subprocess.Popen(_worker_args(a, net, "blocking", o, slot), env=env) for o in outs]
+    return procs, outs
+
+
+def _start_mpi(a, net, comm, n, slot=None):
+    out = tempfile.mktemp(suffix=".json")
+    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + _worker_args(a, net, comm, out, slot), env=_env())
+    return [p], [out]
+
+
+def _collect(procs, outs, a):
+    for p in procs:
+        if p.wait(timeout=a.timeout) != 0:
+            raise SystemExit("a benchmark run failed")
+    res = []
+    for o in outs:
+        with open(o) as f:
+            res += json.load(f)
+        os.unlink(o)
+    return res
+
+
+def run_independent(a, net, n):
+    return _collect(*_start_independent(a, net, n), a)
+
+
+def run_mpi(a, net, comm, n):
+    return _collect(*_start_mpi(a, net, comm, n), a)
+
+
+def run_paired(a, net, comm, n):
+    """The independent pair and the MPI job alive together, taking turns."""
+    slot = a.slot if a.slot else {"lenet": 0.8}.get(net, 3.0)
+    t0 = time.time() + a.startup
+    pi, oi = _start_independent(a, net, n, (slot, a.slots, t0, 1))
+    pm, om = _start_mpi(a, net, comm, n, (slot, a.slots, t0, 0))
+    return _collect(pi, oi, a), _collect(pm, om, a)
+
+
+def summarize(res):
+    import numpy as np
+    return {"images_per_s": sum(r["images_per_s"] for r in res),
+            "step_ms": float(np.mean([r["step_ms"] for r in res])),
+            "compute_ms": float(np.mean([r["compute_ms"] for r in res])),
+            "exposed_ms": float(np.mean([r["exposed_ms"] for r in res])),
+            "allreduce_ms": float(np.mean([r["allreduce_ms"] for r in res])),
+            "skew_ms": float(np.mean([r.get("skew_ms", 0.0) for r in res])),
+            "comm_exposed_ms": float(np.mean([r.get("comm_exposed_ms", 0.0) for r in res]))}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    ap.add_argument("--out")
+    ap.add_argument("--net", default="lenet")
+    ap.add_argument("--nets", default="lenet,cifar10_quick")
+    ap.add_argument("--comm", default="overlap,blocking")
+    ap.add_argument("--ranks", type=int, default=2)
+    ap.add_argument("--iters", type=int, default=40)
+    ap.add_argument("--warmup", type=int, default=5)
+    ap.add_argument("--repeat", type=int, default=1, help="alternate the runs this many times, keep the best")
+    ap.add_argument("--bucket_mb", type=float, default=None)
+    ap.add_argument("--first_bucket_mb", type=float, default=None)
+    ap.add_argument("--timeout", type=int, default=600)
+    ap.add_argument("--unpaired", action="store_true",
+                    help="run the independent pair and the MPI job one after the other instead of "
+                         "alternating in time slots (paired runs resist background load)")
+    ap.add_argument("--slot", type=float, default=None, help="paired: seconds per turn (default 0.8 "
+                    "LeNet, 3 others)")
+    ap.add_argument("--slots", type=int, default=12, help="paired: turns per kind")
+    ap.add_argument("--startup", type=float, default=8.0, help="paired: seconds allowed for start-up")
+    ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
+    ap.add_argument("--parity", type=int, default=0, help=argparse.SUPPRESS)
+    ap.add_argument("--json", help="write all results here")
+    a = ap.parse_args()
+    from caffempi.parallel.reducer import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
+    a.bucket_mb = DEFAULT_BUCKET_MB if a.bucket_mb is None else a.bucket_mb
+    a.first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if a.first_bucket_mb is None else a.first_bucket_mb
+    if a.worker:
+        return worker(a)
+    n = a.ranks
+    comms = a.comm.split(",")
+    allres = {}
+    print("ranks=%d, 1 BLAS thread per process, %d timed iterations (+%d warm-up), bucket %.2g MB "
+          "(first %.2g MB)" % (n, a.iters, a.warmup, a.bucket_mb, a.first_bucket_mb))
+    hdr = "%-14s %-12s %9s %6s %8s %8s %9s %8s %8s %8s" % (
+        "net", "run", "images/s", "eff", "step", "compute", "allreduce", "exposed", "(skew", "comm)")
+    print(hdr)
+    print("-" * len(hdr))
+    for net in a.nets.split(",") if not a.worker else []:
+        best = {}
+        for _ in range(a.repeat):
+            for kind in comms:
+                if a.unpaired:
+                    ind = run_independent(a, net, n)
+                    mpi = run_mpi(a, net, kind, n)
+                else:
+                    ind, mpi = run_paired(a, net, kind, n)
+                for key, res in (("independent", ind), (kind, mpi)):
+                    sm = summarize(res)
+                    sm["raw"] = res
+                    if key == kind:
+                        # efficiency against the independent pair of the same round
+                        sm["efficiency"] = sm["images_per_s"] / summarize(ind)["images_per_s"]
+                    if key not in best or sm["images_per_s"] > best[key]["images_per_s"]:
+                        best[key] = sm
+        for kind in ["independent"] + comms:
+            s = best[kind]
+            s.setdefault("efficiency", 1.0)
+            label = kind if kind == "independent" else "mpi/" + kind
+            print("%-14s %-12s %9.1f %6.3f %8.2f %8.2f %9.2f %8.2f %8.2f %8.2f%s" % (
+                net, label, s["images_per_s"], s["efficiency"], s["step_ms"], s["compute_ms"],
+                s["allreduce_ms"], s["exposed_ms"], s["skew_ms"], s["comm_exposed_ms"],
+                "" if kind == "independent" else "  (%.1f%% of step exposed)" % (100 * s["exposed_ms"] / s["step_ms"])))
+        allres[net] = best
+        sys.stdout.flush()
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(allres, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,247 @@
+"""Predict data-parallel time per iteration and efficiency for N ranks.
+
+Inputs: a net's measured per-layer backward times and parameter sizes
+(benchmarks/scaling.py --json), and an alpha-beta network model of ring
+allreduce: one allreduce of n bytes on N ranks takes
+
+    T(n, N) = 2 (N-1) alpha + 2 (N-1)/N * n * beta
+
+(reduce-scatter then allgather; alpha the per-message latency, beta the
+time per byte, reduction included).  Overlap: buckets of whole layers in
+reverse layer order (the reducer's rule) start when their lowest layer's
+backward ends and go through the network one after another; what is left
+after backward is exposed.  Blocking: one allreduce of everything after
+backward.  Efficiency = step time on one rank / step time on N ranks (each
+rank keeps its batch).
+
+    python tools/scaling_model.py --calibrate           # alpha/beta for shared memory, 2 ranks
+    python tools/scaling_model.py --bench bench.json --validate --plot scaling.png
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+# alpha (s), beta (s/byte): latency and inverse effective bandwidth per link
+PRESETS = {
+    "10GbE": (30e-6, 1 / 1.1e9),
+    "25GbE": (15e-6, 1 / 2.8e9),
+    "100Gb-IB": (2e-6, 1 / 11.5e9),
+}
+RANKS = [2, 4, 8, 16, 32, 64, 128, 256, 512, 1024]
+
+
+def ring_time(nbytes, n, alpha, beta):
+    if n <= 1:
+        return 0.0
+    return 2 * (n - 1) * alpha + 2.0 * (n - 1) / n * nbytes * beta
+
+
+def buckets_from_layers(layers, bucket_mb, first_bucket_mb=1.0, itemsize=4):
+    """(ready time after backward start (s), bytes) per bucket, the reducer's
+    rule: whole layers in reverse order, first bucket >= first_bucket_mb closes."""
+    t, cur, cur_bytes, out = 0.0, [], 0, []
+    cap = first_bucket_mb
+    for L in sorted(layers, key=lambda L: -L["index"]):
+        t += L["backward_ms"] / 1e3
+        if not L["params"]:
+            continue
+        cur.append(L)
+        cur_bytes += L["params"] * itemsize
+        if cur_bytes >= cap * 2 ** 20:
+            out.append([t, cur_bytes])
+            cur, cur_bytes, cap = [], 0, bucket_mb
+    if cur:
+        out.append([t, cur_bytes])
+    # a bucket is ready after its lowest layer's backward; layers below it
+    # without params add to later buckets' times only
+    return out
+
+
+def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0):
+    """Step seconds and exposed seconds for n ranks."""
+    fwd = profile["forward_ms"] / 1e3
+    bwd = sum(L["backward_ms"] for L in profile["layers"]) / 1e3
+    other = max(0.0, profile["compute_ms"] / 1e3 - fwd - bwd)   # update, bookkeeping
+    total_bytes = sum(L["params"] for L in profile["layers"]) * 4
+    if n <= 1:
+        return fwd + bwd + other, 0.0
+    if mode == "blocking":
+        exposed = ring_time(total_bytes, n, alpha, beta)
+    else:
+        end = 0.0
+        for ready, nbytes in buckets_from_layers(profile["layers"], bucket_mb, first_bucket_mb):
+            end = max(end, ready) + ring_time(nbytes, n, alpha, beta)
+        exposed = max(0.0, end - bwd)
+    return fwd + bwd + other + exposed, exposed
+
+
+def single_step(profile):
+    return predict(profile, 1, 0, 0)[0]
+
+
+# ------------------------------------------------------------ calibration
+def _allreduce_worker(out):
+    from mpi4py import MPI
+    comm = MPI.COMM_WORLD
+    res = []
+    for k in range(8, 25, 2):                     # 256 B .. 16 MB
+        buf = np.ones(2 ** k // 4, np.float32)
+        reps = 50 if k < 20 else 20
+        comm.Allreduce(MPI.IN_PLACE, buf)
+        ts = []
+        for _ in range(reps):
+            comm.Barrier()
+            t = time.perf_counter()
+            comm.Allreduce(MPI.IN_PLACE, buf)
+            ts.append(time.perf_counter() - t)
+        res.append((buf.nbytes, float(np.median(ts))))
+    if comm.rank == 0:
+        with open(out, "w") as f:
+            json.dump({"size": comm.size, "points": res}, f)
+
+
+def calibrate(n=2):
+    """Measure Allreduce on n local ranks (shared memory) and fit alpha, beta."""
+    mpiexec = Path(sys.executable).parent / "mpiexec"
+    out = tempfile.mktemp(suffix=".json")
+    env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
+    env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
+    subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n), sys.executable,
+                    "-m", "caffempi.tools.scaling_model", "--allreduce-worker", out],
+                   check=True, timeout=300, env=env)
+    with open(out) as f:
+        data = json.load(f)
+    os.unlink(out)
+    return fit(data["points"], data["size"]), data
+
+
+def fit(points, n):
+    """alpha from the small messages (<= 4 KB), beta by least squares over
+    the large ones (>= 64 KB, the gradient buckets' range) of ring_time."""
+    small = [t for b, t in points if b <= 4096]
+    alpha = float(np.median(small)) / (2 * (n - 1)) if small else 0.0
+    big = [(b, t) for b, t in points if b >= 65536] or points
+    x = np.array([2.0 * (n - 1) / n * b for b, _ in big])
+    y = np.array([t - 2 * (n - 1) * alpha for _, t in big])
+    beta = float(np.dot(x, y) / np.dot(x, x))
+    return max(alpha, 0.0), max(beta, 1e-13)
+
+
+# ---------------------------------------------------------------- reports
+def table(profile, name, presets, buckets, ranks=RANKS):
+    t1 = single_step(profile)
+    lines = ["%s: one rank %.2f ms/iter (forward %.2f, backward %.2f), %.2f MB of gradients" % (
+        name, 1e3 * t1, profile["forward_ms"], sum(L["backward_ms"] for L in profile["layers"]),
+        sum(L["params"] for L in profile["layers"]) * 4 / 2 ** 20)]
+    hdr = "%-10s %-9s %7s" % ("network", "mode", "bucket") + "".join("%8d" % n for n in ranks)
+    lines += [hdr, "-" * len(hdr)]
+    rows = {}
+    for pname, (alpha, beta) in presets.items():
+        for mode in ("blocking", "overlap"):
+            for b in (buckets if mode == "overlap" else [None]):
+                effs = [t1 / predict(profile, n, alpha, beta, mode, b or 4.0, min(1.0, b or 4.0))[0]
+                        for n in ranks]
+                rows[(pname, mode, b)] = effs
+                lines.append("%-10s %-9s %7s" % (pname, mode, "-" if b is None else "%gMB" % b)
+                             + "".join("%8.3f" % e for e in effs))
+    return "\n".join(lines), rows
+
+
+def plot(rows_by_net, path, ranks=RANKS):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, axes = plt.subplots(1, len(rows_by_net), figsize=(6 * len(rows_by_net), 4.5), squeeze=False)
+    for ax, (name, rows) in zip(axes[0], rows_by_net.items()):
+        colors = {p: "C%d" % i for i, p in enumerate(PRESETS)}
+        bucket_list = sorted({b for (_, m, b) in rows if b is not None})
+        markers = dict(zip(bucket_list, "os^vD*"))
+        for (pname, mode, b), effs in rows.items():
+            ax.plot(ranks, effs, ("-" if mode == "overlap" else "--"), color=colors.get(pname),
+                    marker=markers.get(b, "x"), ms=3,
+                    label="%s %s%s" % (pname, mode, "" if b is None else " %gMB" % b))
+        ax.set_xscale("log", base=2)
+        ax.set_ylim(0, 1.05)
+        ax.set_xlabel("ranks")
+        ax.set_ylabel("efficiency (ring allreduce, alpha-beta model)")
+        ax.set_title(name)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize=6)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--allreduce-worker", help=argparse.SUPPRESS)
+    ap.add_argument("--bench", help="JSON of benchmarks/scaling.py --json")
+    ap.add_argument("--calibrate", action="store_true", help="measure shared-memory alpha/beta on 2 ranks")
+    ap.add_argument("--alpha_us", type=float, help="shared-memory alpha (skip --calibrate)")
+    ap.add_argument("--beta_ns", type=float, help="shared-memory beta in ns per byte")
+    ap.add_argument("--validate", action="store_true",
+                    help="compare the 2-rank prediction (shared-memory alpha/beta) to the measurement")
+    ap.add_argument("--buckets", default="0.25,1,4,25", help="bucket sizes (MB) for the overlap rows")
+    ap.add_argument("--plot", help="save a PNG of efficiency vs ranks")
+    a = ap.parse_args(argv)
+    if a.allreduce_worker:
+        return _allreduce_worker(a.allreduce_worker)
+    shm = None
+    if a.calibrate:
+        (alpha, beta), data = calibrate(2)
+        shm = (alpha, beta)
+        print("shared-memory allreduce on 2 ranks (measured):")
+        for b, t in data["points"]:
+            print("  %10d B  %9.1f us   model %9.1f us" % (b, 1e6 * t, 1e6 * ring_time(b, 2, alpha, beta)))
+        print("fit: alpha = %.2f us, beta = %.3f ns/B (%.2f GB/s)" % (alpha * 1e6, beta * 1e9, 1e-9 / beta))
+    elif a.alpha_us is not None and a.beta_ns is not None:
+        shm = (a.alpha_us * 1e-6, a.beta_ns * 1e-9)
+    if not a.bench:
+        return 0
+    with open(a.bench) as f:
+        bench = json.load(f)
+    buckets = [float(b) for b in a.buckets.split(",")]
+    rows_by_net = {}
+    for name, runs in bench.items():
+        base = runs["independent"]["raw"]
+        profile = {k: float(np.mean([r[k] for r in base])) for k in ("forward_ms", "compute_ms")}
+        profile["layers"] = [dict(L, backward_ms=float(np.mean([r["layers"][i]["backward_ms"] for r in base])))
+                             for i, L in enumerate(base[0]["layers"])]
+        txt, rows = table(profile, name, PRESETS, buckets)
+        print(txt)
+        print()
+        rows_by_net[name] = rows
+        if a.validate and shm:
+            print("%s, 2 ranks on this machine (shared memory alpha %.1f us, beta %.3f ns/B):"
+                  % (name, shm[0] * 1e6, shm[1] * 1e9))
+            for mode in [m for m in runs if m != "independent"]:
+                meas = runs[mode]["raw"]
+                bmb = 4.0
+                pm = "blocking" if mode == "blocking" else "overlap"
+                step, exp = predict(profile, 2, shm[0], shm[1], pm, bmb)
+                m_step = float(np.mean([r["step_ms"] for r in meas]))
+                # the same with this run's own compute time: checks the
+                # communication part of the model apart from the machine's
+                # load changing between runs
+                own = float(np.mean([r["compute_ms"] for r in meas])) + 1e3 * exp
+                print("  %-9s predicted %7.2f ms/iter (exposed %5.2f), measured %7.2f ms/iter: %+5.1f%%; "
+                      "efficiency predicted %.3f, measured %.3f; from this run's compute: predicted "
+                      "%7.2f ms/iter, %+5.1f%%" % (
+                          mode, 1e3 * step, 1e3 * exp, m_step, 100 * (1e3 * step - m_step) / m_step,
+                          single_step(profile) / step, runs[mode].get("efficiency", float("nan")),
+                          own, 100 * (own - m_step) / m_step))
+            print()
+    if a.plot:
+        plot(rows_by_net, a.plot)
+        print("plot saved to %s" % a.plot)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

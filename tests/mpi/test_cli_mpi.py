@@ -1,0 +1,99 @@
+"""`mpiexec -n 2 python -m caffempi train --solver=S` end to end."""
+import sys
+import time
+
+import pytest
+
+from .mpirun import WORKERS, mpirun, needs_mpi, single
+
+sys.path.insert(0, str(WORKERS))
+pytest.importorskip("h5py")
+
+
+def _cli_has_parallel_flags():
+    from caffempi import cli
+    return "comm" in cli.FLAGS
+
+
+needs_cli = pytest.mark.skipif(not _cli_has_parallel_flags(), reason="cli has no --comm flag yet")
+
+
+CLI = [str(WORKERS / "cli_main.py")]   # `python -m caffempi`, data layers registered
+
+
+def write_solver(d, global_b, ranks, max_iter=4, prefix="cli", extra=""):
+    from solver_worker import SOLVER, make_data, net_text
+    make_data(str(d))
+    text = SOLVER % {"net": net_text(str(d), global_b // ranks), "max_iter": max_iter,
+                     "test_interval": 2, "snapshot": 2, "prefix": str(d / prefix)}
+    path = d / ("solver_%s.prototxt" % prefix)
+    path.write_text(text + extra)
+    return path
+
+
+@needs_mpi
+@needs_cli
+def test_cli_train_two_ranks(tmp_path):
+    s = write_solver(tmp_path, 12, 2)
+    p = mpirun(2, CLI + ["train", "--solver=%s" % s], timeout=60)
+    import re
+    if "Logging error" not in p.stderr:                       # (a broken log formatter repeats lines)
+        assert len(re.findall(r"^I.*Optimization Done", p.stderr, re.M)) == 1   # rank 0 alone logs info
+    assert "Data parallel over" in p.stderr
+    assert (tmp_path / "cli_iter_4.caffemodel").exists()
+    assert (tmp_path / "cli_iter_4.solverstate").exists()
+    # resume on 2 ranks from the iteration-2 snapshot
+    p = mpirun(2, CLI + ["train", "--solver=%s" % s,
+                   "--snapshot=%s" % (tmp_path / "cli_iter_2.solverstate")], timeout=60)
+    assert "Optimization Done" in p.stderr
+
+
+@needs_mpi
+@needs_cli
+def test_cli_error_on_rank0_aborts_job(tmp_path):
+    s = write_solver(tmp_path, 12, 2, prefix="bad")
+    s.write_text(s.read_text().replace(str(tmp_path / "bad"), "/nonexistent/dir/bad"))
+    t = time.time()
+    p = mpirun(2, CLI + ["train", "--solver=%s" % s], timeout=60, check=False)
+    assert p.returncode != 0
+    assert time.time() - t < 60
+    assert "cannot write to snapshot prefix" in p.stderr
+
+
+@needs_cli
+def test_cli_single_process_without_mpi(tmp_path):
+    s = write_solver(tmp_path, 12, 1, max_iter=2, prefix="one")
+    p = single(CLI + ["train", "--solver=%s" % s], timeout=60)
+    assert "Optimization Done" in p.stderr
+
+
+@needs_mpi
+@needs_cli
+def test_cli_sigint_to_mpiexec_snapshots_once_and_stops(tmp_path):
+    import signal
+    import subprocess
+    from .mpirun import env, mpiexec_path
+    s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="int")
+    s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
+    p = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable] + CLI + ["train",
+                          "--solver=%s" % s], env=env(), stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    lines = []
+    try:
+        t = time.time()
+        seen = 0
+        for line in p.stderr:
+            lines.append(line)
+            seen += "Iteration" in line
+            if seen >= 12:            # training is under way
+                break
+            assert time.time() - t < 60, "".join(lines)
+        p.send_signal(signal.SIGINT)
+        _, rest = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(lines) + rest
+    assert p.returncode == 0, out
+    assert "Optimization stopped early" in out
+    snaps = list(tmp_path.glob("int_iter_*.caffemodel"))
+    assert len(snaps) == 1, out

@@ -1,0 +1,65 @@
+"""Single-process pieces: lazy MPI import, bucketing, the trivial world."""
+import subprocess
+import sys
+
+import numpy as np
+
+from caffempi.parallel.comm import SingleWorld, launched_by_mpi
+from caffempi.parallel.reducer import Reducer, make_buckets
+
+from .mpirun import env
+
+
+def test_no_mpi_import_without_launcher():
+    code = ("import sys; from caffempi.parallel import get_world; import caffempi.cli; "
+            "w = get_world(); assert w.size == 1 and not w.is_mpi; "
+            "assert 'mpi4py' not in sys.modules, 'mpi4py imported'")
+    e = env()
+    for v in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        e.pop(v, None)
+    subprocess.run([sys.executable, "-c", code], check=True, env=e, timeout=60)
+
+
+def test_launcher_detection():
+    assert launched_by_mpi({"PMI_SIZE": "2"})
+    assert launched_by_mpi({"OMPI_COMM_WORLD_SIZE": "4"})
+    assert not launched_by_mpi({})
+    assert not launched_by_mpi({"PMI_SIZE": "2", "CAFFEMPI_MPI": "0"})
+    assert launched_by_mpi({"CAFFEMPI_MPI": "1"})
+
+
+def _net():
+    sys.path.insert(0, str(__import__("pathlib").Path(__file__).parent / "workers"))
+    from nets import net_param
+    from caffempi.net import Net
+    return Net(net_param(4))
+
+
+def test_buckets_are_whole_layers_in_reverse_order():
+    net = _net()
+    per_layer = make_buckets(net, bucket_mb=1e-9, first_bucket_mb=1e-9)
+    owners = sorted(set(net.param_layer_index), reverse=True)
+    assert [b[0] for b in per_layer] == owners                 # one bucket per layer, top first
+    ends = [b[2] for b in per_layer]
+    assert ends[0] == net.param_diff.size
+    for (_, s, e, _), (_, s2, e2, _) in zip(per_layer, per_layer[1:]):
+        assert e2 == s                                       # contiguous, descending ranges
+    one = make_buckets(net, bucket_mb=100, first_bucket_mb=100)
+    assert len(one) == 1 and one[0][1] == 0 and one[0][2] == net.param_diff.size
+
+
+def test_single_process_reducer_is_identity():
+    net = _net()
+    red = Reducer(SingleWorld())
+    red.attach(net)
+    net.blobs["data"].data[...] = np.random.RandomState(0).randn(*net.blobs["data"].shape)
+    net.blobs["label"].data[...] = [0, 1, 2, 3]
+    red.start_iteration(net, 1)
+    net.forward_backward()
+    g = net.param_diff.copy()
+    red.finish(net)
+    np.testing.assert_array_equal(net.param_diff, g)
+    assert red.mean_scalars([1.5, 2.0]) == [1.5, 2.0]
+    assert red.split_test_iters(7) == 7
+    assert red.combine_action(1) == 1
+    assert red.gather_object({"a": 1}) == [{"a": 1}]

@@ -1,0 +1,11 @@
+"""`python -m caffempi` with the data layers registered even if the layers
+package does not import them yet."""
+import sys
+
+try:
+    import caffempi.layers.data  # noqa: F401
+except ImportError:
+    pass
+from caffempi.cli import main
+
+sys.exit(main(sys.argv[1:]))

@@ -1,0 +1,117 @@
+"""Train a small HDF5Data net with the real solver, as `caffempi train`
+does under mpiexec: setup_parallel, the solver with our reducer, solve.
+
+usage: solver_worker.py DIR GLOBAL_BATCH MAX_ITER [key=value ...]
+keys: comm, snapshot (interval), resume (solverstate), fail_rank, fail_iter,
+      fail_kind (raise|nan|kill|snapshot), sync, tau, out (npz written by rank 0)
+"""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from nets import MLP  # noqa: E402
+
+import caffempi.layers  # noqa: E402,F401
+try:
+    import caffempi.layers.data  # noqa: E402,F401  (registers HDF5Data until layers/__init__ does)
+except ImportError:
+    pass
+from caffempi.parallel.launch import exit_code, run_guarded, setup_parallel  # noqa: E402
+
+SOLVER = """
+net_param { %(net)s }
+base_lr: 0.05 momentum: 0.9 weight_decay: 0.001 lr_policy: "step" gamma: 0.5 stepsize: 4
+max_iter: %(max_iter)d display: 1 average_loss: 1
+test_iter: 4 test_interval: %(test_interval)d test_initialization: true
+snapshot: %(snapshot)d snapshot_prefix: "%(prefix)s" random_seed: 3
+"""
+
+
+def make_data(d, n_train=96, n_test=32):
+    import h5py
+    r = np.random.RandomState(0)
+    for name, n in (("train", n_train), ("test", n_test)):
+        x = r.randn(n, 3, 6, 6).astype(np.float32)
+        y = (np.abs(x[:, 0, 0, 0] * 3).astype(int) % 5).astype(np.float32)
+        path = os.path.join(d, name + ".h5")
+        if not os.path.exists(path):
+            with h5py.File(path + ".tmp", "w") as f:
+                f["data"] = x
+                f["label"] = y
+            os.replace(path + ".tmp", path)
+        with open(os.path.join(d, name + ".txt"), "w") as f:
+            f.write(path + "\n")
+
+
+def net_text(d, batch, test_batch=8):
+    layers = MLP[MLP.index('layer { name: "ip1"'):]   # drop the name and the Input layer
+    head = """name: "mlp"
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: TRAIN }
+        hdf5_data_param { source: "%s/train.txt" batch_size: %d } }
+layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: TEST }
+        hdf5_data_param { source: "%s/test.txt" batch_size: %d } }
+""" % (d, batch, d, test_batch)
+    return head + layers
+
+
+def main():
+    d, global_b, max_iter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+    kw = dict(a.split("=", 1) for a in sys.argv[4:])
+    world, reducer = setup_parallel(comm=kw.get("comm", "overlap"), sync=kw.get("sync", "sgd"),
+                                    tau=int(kw.get("tau", 10)), alpha=float(kw.get("alpha", 0.2)),
+                                    bucket_mb=float(kw.get("bucket_mb", 0.001)))
+
+    def run():
+        from google.protobuf import text_format
+        from caffempi.proto import caffe_pb2
+        from caffempi.solvers import get_solver, SolverAction
+        if world.rank == 0:
+            make_data(d)
+        world.barrier()
+        p = caffe_pb2.SolverParameter()
+        text_format.Merge(SOLVER % {
+            "net": net_text(d, global_b // world.size), "max_iter": max_iter,
+            "test_interval": int(kw.get("test_interval", 3)),
+            "snapshot": int(kw.get("snapshot", 0)),
+            "prefix": os.path.join(d, kw.get("prefix", "snap"))}, p)
+        solver = get_solver(p, reducer=reducer)
+        fail_rank = int(kw.get("fail_rank", -1))
+        fail_iter = int(kw.get("fail_iter", -1))
+        kind = kw.get("fail_kind", "raise")
+        if world.rank == fail_rank:
+            net = solver.net
+            orig = net.forward_backward
+
+            def bad():
+                if solver.iter == fail_iter:
+                    if kind == "raise":
+                        raise RuntimeError("injected failure at iteration %d" % solver.iter)
+                    if kind == "kill":
+                        os.kill(os.getpid(), 9)
+                    if kind == "nan":
+                        return float("nan") + orig()
+                return orig()
+            net.forward_backward = bad
+            if kind == "snapshot":
+                solver.param.snapshot_prefix = "/nonexistent/dir/snap"
+        if kw.get("sigint_at"):
+            stop_at = int(kw["sigint_at"])
+            solver.set_action_function(
+                lambda: SolverAction.STOP if (world.rank == 1 and solver.iter >= stop_at) else SolverAction.NONE)
+        if kw.get("resume"):
+            solver.restore(kw["resume"])
+        solver.solve()
+        if world.rank == 0 and kw.get("out"):
+            np.savez(kw["out"], w=solver.net.param_data, iter=solver.iter,
+                     test=np.asarray(solver.test_scores[0]))
+        if kw.get("sync", "sgd") == "sgd":
+            assert reducer.check_in_sync(solver.net), "weights differ between ranks"
+        return 0
+    rc = run_guarded(run, world=world)
+    return exit_code(rc, world)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
