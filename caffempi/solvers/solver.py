@@ -501,6 +501,12 @@ class Solver:
                 extra = (" (* %s = %s loss)" % (fmt(w), fmt(f32(w) * f32(v)))) if w else ""
                 log.info("    Train net output #%d: %s = %s%s", k, name, fmt(v), extra)
                 k += 1
+        # Time forward spent waiting for the data layers' prefetch queues.
+        waited = net.data_wait_seconds()
+        since, self._wait_last = waited - self._wait_last, waited
+        if lapse and self.iter > self._iterations_last:
+            log.info("    Data wait: %.3f ms/iter (%.2f%% of the step time)",
+                     1e3 * since / (self.iter - self._iterations_last), 100.0 * since / lapse)
 
     def step(self, iters):
         """Run ``iters`` training iterations (Caffe's Solver::Step)."""
@@ -517,6 +523,7 @@ class Solver:
             self._params_synced = True
         timer = time.time()
         self._iterations_last = self.iter
+        self._wait_last = net.data_wait_seconds()
         iter_size = p.iter_size
         while self.iter < stop_iter:
             net.clear_param_diffs()
