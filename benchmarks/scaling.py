@@ -34,58 +34,11 @@ NETS = {
     "cifar10_quick": ("models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32)),
 }
 
-# The same nets as Caffe's examples, used when models/ is absent.
-LENET = """name: "LeNet"
-layer { name: "mnist" type: "Data" top: "data" top: "label" include { phase: TRAIN }
-  transform_param { scale: 0.00390625 } data_param { source: "missing_lmdb" batch_size: 64 backend: LMDB } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" param { lr_mult: 1 } param { lr_mult: 2 }
-  convolution_param { num_output: 20 kernel_size: 5 stride: 1 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
-layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2" param { lr_mult: 1 } param { lr_mult: 2 }
-  convolution_param { num_output: 50 kernel_size: 5 stride: 1 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
-layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2" pooling_param { pool: MAX kernel_size: 2 stride: 2 } }
-layer { name: "ip1" type: "InnerProduct" bottom: "pool2" top: "ip1" param { lr_mult: 1 } param { lr_mult: 2 }
-  inner_product_param { num_output: 500 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
-layer { name: "relu1" type: "ReLU" bottom: "ip1" top: "ip1" }
-layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2" param { lr_mult: 1 } param { lr_mult: 2 }
-  inner_product_param { num_output: 10 weight_filler { type: "xavier" } bias_filler { type: "constant" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
-"""
-CIFAR10_QUICK = """name: "CIFAR10_quick"
-layer { name: "cifar" type: "Data" top: "data" top: "label" include { phase: TRAIN }
-  data_param { source: "missing_lmdb" batch_size: 100 backend: LMDB } }
-layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1" param { lr_mult: 1 } param { lr_mult: 2 }
-  convolution_param { num_output: 32 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.0001 } bias_filler { type: "constant" } } }
-layer { name: "pool1" type: "Pooling" bottom: "conv1" top: "pool1" pooling_param { pool: MAX kernel_size: 3 stride: 2 } }
-layer { name: "relu1" type: "ReLU" bottom: "pool1" top: "pool1" }
-layer { name: "conv2" type: "Convolution" bottom: "pool1" top: "conv2" param { lr_mult: 1 } param { lr_mult: 2 }
-  convolution_param { num_output: 32 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.01 } bias_filler { type: "constant" } } }
-layer { name: "relu2" type: "ReLU" bottom: "conv2" top: "conv2" }
-layer { name: "pool2" type: "Pooling" bottom: "conv2" top: "pool2" pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
-layer { name: "conv3" type: "Convolution" bottom: "pool2" top: "conv3" param { lr_mult: 1 } param { lr_mult: 2 }
-  convolution_param { num_output: 64 pad: 2 kernel_size: 5 stride: 1 weight_filler { type: "gaussian" std: 0.01 } bias_filler { type: "constant" } } }
-layer { name: "relu3" type: "ReLU" bottom: "conv3" top: "conv3" }
-layer { name: "pool3" type: "Pooling" bottom: "conv3" top: "pool3" pooling_param { pool: AVE kernel_size: 3 stride: 2 } }
-layer { name: "ip1" type: "InnerProduct" bottom: "pool3" top: "ip1" param { lr_mult: 1 } param { lr_mult: 2 }
-  inner_product_param { num_output: 64 weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" } } }
-layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2" param { lr_mult: 1 } param { lr_mult: 2 }
-  inner_product_param { num_output: 10 weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "constant" } } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
-"""
-BUILTIN = {"lenet": LENET, "cifar10_quick": CIFAR10_QUICK}
-
-
 def load_net_param(name):
-    from google.protobuf import text_format
-    from caffempi.proto import caffe_pb2
+    from caffempi.io import proto_io
     from caffempi.timing import substitute_data_layers
     path, shape = NETS[name]
-    p = caffe_pb2.NetParameter()
-    if (REPO / path).exists():
-        from caffempi.io import proto_io
-        p = proto_io.read_net_param(str(REPO / path))
-    else:
-        text_format.Merge(BUILTIN[name], p)
+    p = proto_io.read_net_param(str(REPO / path))
     return substitute_data_layers(p, shape, only_unreadable=False, warn=False)
 
 
