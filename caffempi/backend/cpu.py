@@ -206,48 +206,81 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
         # reduction, small N) much faster than dy @ col.T
         gwt = np.zeros((g, k // g, og), dtype)
     if col_dx:
-        gxpad = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype)
         wt = wg.transpose(0, 2, 1)
-        wide = (wd + 2 * pw) if (sh == 1 and sw == 1) else ow
-        dbuf = _work("dcol", k * nb * oh * wide, dtype)
-        wbuf = _work("dyw", o * nb * oh * wide, dtype)
+        dbuf = _work("dcol", k * nb * p, dtype)
+        if sh == 1 and sw == 1:
+            gx = np.empty(x_shape, dtype)
+            hpd, wpd = dh * (kh - 1) + oh, dw_ * (kw - 1) + ow   # = padded h, w
+            cbuf = _work("dyc", o * nb * p, dtype)
+            vbuf = _work("dcol_v", c * kw * hpd * ow * nb, dtype)
+            ubuf = _work("dcol_u", c * hpd * wpd * nb, dtype)
+        else:
+            gxpad = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype)
     tbuf = _work("dyt", o * nb * p, dtype)
     for a in range(0, n, nb):
         m = min(nb, n - a)
-        # dy of the chunk as (g, m*p, o/g), matching the columns' order
-        dyt = tbuf[:o * m * p].reshape(g, m, p, og)
-        np.copyto(dyt, dy[a:a + m].reshape(m, g, og, p).transpose(1, 0, 3, 2))
-        dyt = dyt.reshape(g, m * p, og)
+        if need_dw or (col_dx and not (sh == 1 and sw == 1)):
+            # dy of the chunk as (g, m*p, o/g), matching the columns' order
+            dyt = tbuf[:o * m * p].reshape(g, m, p, og)
+            np.copyto(dyt, dy[a:a + m].reshape(m, g, og, p).transpose(1, 0, 3, 2))
+            dyt = dyt.reshape(g, m * p, og)
         if need_dw:
             col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p]).reshape(g, k // g, m * p)
             gwt += np.matmul(col, dyt)
         if col_dx and sh == 1 and sw == 1:
-            # Rows of dy widened to the padded input width (zeros beyond ow):
-            # then each kernel tap's columns land on one contiguous run of the
-            # flattened padded image plane, and col2im is kh*kw long adds
-            # instead of adds of ow-long pieces.
-            wp = wd + 2 * pw
-            dyw = wbuf[:o * m * oh * wp].reshape(g, og, m, oh, wp)
-            dyw[..., ow:] = 0
-            dyw[..., :ow] = dy[a:a + m].reshape(m, g, og, oh, ow).transpose(1, 2, 0, 3, 4)
-            lw = oh * wp
-            dcol = np.matmul(wt, dyw.reshape(g, og, m * lw), out=dbuf[:k * m * lw].reshape(g, k // g, m * lw))
-            dcol = dcol.reshape(c, kh, kw, m, lw)
-            plane = gxpad[a:a + m].reshape(m, c, -1)
-            for i in range(kh):
-                for j in range(kw):
-                    off = i * dh * wp + j * dw_
-                    ln = min(lw, plane.shape[2] - off)   # the cut-off tail holds zeros
-                    plane[:, :, off:off + ln] += dcol[:, i, j, :, :ln].transpose(1, 0, 2)
+            # GEMM columns ordered (y, x, n) (dy copied in that order), then a
+            # two-stage col2im: the kh row taps summed into v (c, kw, hp, ow,
+            # m), runs of oh*ow*m floats, then the kw column taps into
+            # (c, hp, wp, m), runs of ow*m; one transpose to NCHW at the end.
+            # The GEMM is the minimal 2*k*o*p per image (the earlier "widened"
+            # layout spent 1.5x that on LeNet's conv2) and no add is shorter
+            # than ow*m floats.
+            dyc = cbuf[:o * m * p].reshape(g, oh, ow, m, og)
+            np.copyto(dyc, dy[a:a + m].reshape(m, g, og, oh, ow).transpose(1, 3, 4, 0, 2))
+            dcol = np.matmul(wt, dyc.reshape(g, m * p, og).transpose(0, 2, 1),
+                             out=dbuf[:k * m * p].reshape(g, k // g, m * p))
+            dcol = dcol.reshape(c, kh, kw, oh, ow, m)
+            v = vbuf[:c * kw * hpd * ow * m].reshape(c, kw, hpd, ow, m)
+            _tap_sum(v, [dcol[:, i] for i in range(kh)], 2, dh, oh)
+            gt = ubuf[:c * hpd * wpd * m].reshape(c, hpd, wpd, m)
+            _tap_sum(gt, [v[:, j] for j in range(kw)], 2, dw_, ow)
+            np.copyto(gx[a:a + m], gt[:, ph:ph + h, pw:pw + wd].transpose(3, 0, 1, 2))
         elif col_dx:
             dcol = np.matmul(wt, dyt.transpose(0, 2, 1), out=dbuf[:k * m * p].reshape(g, k // g, m * p))
             col2im(dcol, geom, oh, ow, gxpad[a:a + m])
     if need_dw:
         gw = np.ascontiguousarray(gwt.transpose(0, 2, 1)).reshape(w.shape)
-    if col_dx:
+    if col_dx and not (sh == 1 and sw == 1):
         gx = gxpad[:, :, ph:ph + h, pw:pw + wd] if (ph or pw) else gxpad
         gx = np.ascontiguousarray(gx)
     return gx, gw
+
+
+def _tap_sum(dst, taps, axis, step, run):
+    """dst = sum over t of taps[t] placed at [t*step, t*step+run) along
+    ``axis`` (zeros elsewhere): copies where nothing is written yet, adds
+    only where windows overlap."""
+    def at(lo, hi):
+        return dst[(slice(None),) * axis + (slice(lo, hi),)]
+
+    def part(src, lo, hi):
+        return src[(slice(None),) * axis + (slice(lo, hi),)]
+    end = dst.shape[axis]
+    if step > run:
+        dst[...] = 0
+        for t, src in enumerate(taps):
+            at(t * step, t * step + run)[...] += src
+        return dst
+    np.copyto(at(0, run), taps[0])
+    written = run
+    for t in range(1, len(taps)):
+        lo = t * step
+        at(lo, written)[...] += part(taps[t], 0, written - lo)
+        np.copyto(at(written, lo + run), part(taps[t], written - lo, run))
+        written = lo + run
+    if written < end:
+        at(written, end)[...] = 0
+    return dst
 
 
 def bias_grad(dy):
@@ -378,6 +411,57 @@ def _padded_width_phases(x, geom, oh, ow, fill):
     return out, hp
 
 
+def _tiled_max_pool(x, kh, kw):
+    """MAX pooling over non-overlapping windows that tile the image exactly
+    (kernel == stride, no pad; LeNet's 2x2/2): one copy puts every window tap
+    in its own contiguous plane (kh, kw, N*C*oh*ow), then the maxima are long
+    contiguous ufuncs: along each row (first j that is strictly greater), then
+    across rows (first row strictly greater), which is the raster-order first
+    maximum.  Returns (y, idx) as :func:`max_pool_forward`.  (Taps as strided
+    views of x, with no copy, measured 2-3x slower; np.copyto with where= is
+    ~40x slower than an int8 multiply-add select here.)"""
+    n, c, h, w = x.shape
+    oh, ow = h // kh, w // kw
+    b = n * c * oh
+    ln = b * ow
+    xt = _work("tpool_x", kh * kw * ln, x.dtype).reshape(kh, kw, ln)
+    np.copyto(xt.reshape(kh, kw, b, ow), x.reshape(b, kh, ow, kw).transpose(1, 3, 0, 2))
+    y = np.empty((n, c, oh, ow), x.dtype)
+    yb = y.reshape(ln)
+    gt = _work("tpool_gt", ln, bool)
+    g8 = gt.view(np.int8)
+    r = _work("tpool_r", ln, x.dtype)
+    jt = _work("tpool_jt", ln, np.int8)
+    tj = _work("tpool_tj", ln, np.int8)
+    ti = _work("tpool_ti", ln, np.int8)
+    d8 = _work("tpool_d8", ln, np.int8)
+    for i in range(kh):
+        rr = yb if i == 0 else r
+        t = tj if i == 0 else jt
+        np.copyto(rr, xt[i, 0])
+        t[...] = 0
+        for j in range(1, kw):
+            np.greater(xt[i, j], rr, out=gt)
+            np.maximum(rr, xt[i, j], out=rr)
+            np.maximum(t, g8 if j == 1 else np.multiply(g8, np.int8(j), out=d8), out=t)
+        if i == 0:
+            ti[...] = 0
+        else:
+            np.greater(r, yb, out=gt)
+            np.maximum(yb, r, out=yb)
+            np.subtract(jt, tj, out=d8)         # tj = jt where row i wins
+            d8 *= g8
+            tj += d8
+            np.maximum(ti, g8 if i == 1 else np.multiply(g8, np.int8(i), out=d8), out=ti)
+    idx = np.empty((n, c, oh, ow), np.int32)
+    base = (np.arange(oh, dtype=np.int32) * (kh * w))[:, None] + np.arange(ow, dtype=np.int32) * kw
+    np.add(tj.reshape(n * c, oh, ow), base, out=idx.reshape(n * c, oh, ow))
+    iw = _work("tpool_iw", ln, np.int32)
+    np.multiply(ti, np.int32(w), out=iw)
+    idx.reshape(ln)[...] += iw
+    return y, idx
+
+
 def max_pool_forward(x, geom, oh, ow):
     """Returns (y, idx): y the window maxima, idx the flat h*W+w index in the
     unpadded image of each window's first maximum in raster order (Caffe's)."""
@@ -388,6 +472,8 @@ def max_pool_forward(x, geom, oh, ow):
         idx = flat.argmax(axis=2)
         y = np.take_along_axis(flat, idx[:, :, None], 2)
         return y.reshape(n, c, 1, 1), idx.reshape(n, c, 1, 1).astype(np.int32)
+    if kh == sh and kw == sw and not ph and not pw and oh * kh == h and ow * kw == w:
+        return _tiled_max_pool(x, kh, kw)
     # Separable: row maxima over the kw taps, then over kh rows; taking the
     # first strict maximum at each stage gives the window's raster-order first.
     phases, hp = _padded_width_phases(x, geom, oh, ow, -np.inf)
