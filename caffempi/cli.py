@@ -51,6 +51,7 @@ define_flag("sighup_effect", "snapshot", "Optional; action to take when a SIGHUP
 define_flag("data_shape", "", "Optional; for 'time': C,H,W of images from a data layer whose source "
             "cannot be read and whose prototxt does not say the size.")
 define_flag("debug", False, "Show Python tracebacks instead of one-line errors.")
+define_flag("memory", "reuse", "Optional; activation memory plan: none, reuse or recompute (offload needs a GPU).")
 # MPI data parallelism: --comm, --bucket_mb, --sync, --tau, --alpha
 from .parallel.launch import add_parallel_flags  # noqa: E402
 add_parallel_flags(define_flag)
@@ -239,7 +240,7 @@ def train(flags):
                                 debug=flags.debug)
     handler = SignalHandler(flags.sigint_effect, flags.sighup_effect)
     try:
-        solver = get_solver(param, xp=xp, source=flags.solver, reducer=reducer)
+        solver = get_solver(param, xp=xp, source=flags.solver, reducer=reducer, memory=flags.memory)
         solver.set_action_function(handler.get_action)
         if flags.snapshot:
             log.info("Resuming from %s", flags.snapshot)
@@ -268,7 +269,7 @@ def test(flags):
         if w and not os.path.exists(w):
             raise CaffeError("weights file %s does not exist" % w)
     net = Net(flags.model, phase=TEST, level=flags.level, stages=get_stages(flags),
-              weights=flags.weights, xp=xp)
+              weights=flags.weights, xp=xp, memory=flags.memory)
     log.info("Running for %d iterations.", flags.iterations)
     scores, names, weights = [], [], []
     loss = 0.0

@@ -100,10 +100,17 @@ class Net:
     ``net.forward()``, ``net.backward()``.  All learnable parameters live in
     two flat buffers (``param_data``, ``param_diff``) in layer order, so the
     gradients of consecutive layers are contiguous ranges for the allreduce.
+
+    ``memory`` ("none" by default here, "reuse" or "recompute"; the solver
+    and the CLI use "reuse"; see :mod:`caffempi.memory`) frees activation
+    data and diffs as soon as a pass no longer needs them: after a pass,
+    ``net.blobs[name].data`` keeps its values for outputs and inputs (and for
+    blobs named in ``forward(blobs=[...])`` / ``net.memory.keep(...)``);
+    other blobs may hold a read-only placeholder of zeros.
     """
 
     def __init__(self, net, phase=TRAIN, level=0, stages=(), weights=None,
-                 xp=np, dtype=np.float32, source_name=None, data_shard=(0, 1)):
+                 xp=np, dtype=np.float32, source_name=None, data_shard=(0, 1), memory=None):
         if isinstance(net, caffe_pb2.NetParameter):
             param = caffe_pb2.NetParameter()
             param.CopyFrom(net)
@@ -125,6 +132,10 @@ class Net:
         self._init_layers()
         self._init_params()
         self._init_backward()
+        from .memory import MemoryManager
+        self.memory = MemoryManager(self, memory)
+        if self.memory.active:
+            self.memory.free_all()
         if weights:
             for w in str(weights).split(","):
                 self.copy_from(w)
@@ -308,35 +319,54 @@ class Net:
         """Forward layers start..end (inclusive); returns the weighted loss."""
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
+        mm = self.memory if self.memory.active or self.memory.probe else None
         for i in range(start, end + 1):
             layer = self.layers[i]
+            if mm:
+                mm.before_forward(i)
             layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
             layer.forward(self.bottom_vecs[i], self.top_vecs[i])
             for j, w in self.loss_weights[i]:
                 loss += w * float(self.top_vecs[i][j].data.sum())
+            if mm:
+                mm.after_forward(i)
         return loss
 
     def backward_range(self, start=None, end=0):
         """Backward layers start..end (start >= end), calling the hooks after each."""
         start = len(self.layers) - 1 if start is None else start
+        mm = self.memory if self.memory.active or self.memory.probe else None
         for i in range(start, end - 1, -1):
             if self.layer_need_backward[i]:
+                if mm:
+                    mm.before_backward(i)
                 tops = self.top_vecs[i]
                 for j, w in self.loss_weights[i]:
                     tops[j].diff = self.xp.full(tops[j].shape, w, self.dtype)
                 self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
+            if mm:
+                mm.after_backward(i)
             for hook in self._backward_hooks:
                 hook(i)
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """pycaffe's forward: set inputs from kwargs, run, return the outputs."""
         for name, value in kwargs.items():
-            self.blobs[name].reshape(value.shape)
-            self.blobs[name].data[...] = self.xp.asarray(value)
+            blob = self.blobs[name]
+            blob.reshape(value.shape)
+            if self.memory.is_freed(blob):      # a placeholder: give it storage
+                blob.data = self.xp.array(value, dtype=self.dtype)
+            else:
+                blob.data[...] = self.xp.asarray(value)
         s = 0 if start is None else self.layer_names.index(start)
         e = len(self.layers) - 1 if end is None else self.layer_names.index(end)
-        self.last_loss = self.forward_range(s, e)
         names = set(self.outputs if end is None else self.top_names[e]) | set(blobs or ())
+        keep = self.memory.extra_keep
+        self.memory.extra_keep = keep | names
+        try:
+            self.last_loss = self.forward_range(s, e)
+        finally:
+            self.memory.extra_keep = keep
         return {n: self.blobs[n].data for n in self.blobs if n in names}
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):
@@ -345,8 +375,13 @@ class Net:
             self.blobs[name].diff = self.xp.asarray(value, self.dtype)
         s = len(self.layers) - 1 if start is None else self.layer_names.index(start)
         e = 0 if end is None else self.layer_names.index(end)
-        self.backward_range(s, e)
         names = set(self.inputs) | set(diffs or ())
+        keep = self.memory.extra_keep_diff
+        self.memory.extra_keep_diff = keep | names
+        try:
+            self.backward_range(s, e)
+        finally:
+            self.memory.extra_keep_diff = keep
         return {n: self.blobs[n].diff for n in self.blobs if n in names}
 
     def forward_backward(self):
@@ -508,6 +543,9 @@ class Net:
                     self.params[name] = layer.blobs
 
     def memory_summary(self):
+        """Sizes of the activation blobs (all of them, as Caffe allocates) and
+        of the parameters; ``caffempi.memory.measure``
+        gives the peaks a pass actually reaches."""
         act = sum(b.count for b in self.blobs.values()) * self.dtype.itemsize
         par = self.param_data.size * self.dtype.itemsize
         return {"activation_bytes": act, "param_bytes": par}

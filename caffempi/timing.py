@@ -76,8 +76,10 @@ def randomize_inputs(net, seed=0):
             tops[0].data = net.xp.asarray(rs.standard_normal(tops[0].shape), net.dtype)
 
 
-def time_net(net, iterations=50, report=log.info):
-    """Run Caffe's benchmark on a built net; returns a dict of averages (ms)."""
+def time_net(net, iterations=50, report=log.info, measure_memory=True):
+    """Run Caffe's benchmark on a built net; returns a dict of averages (ms).
+    With ``measure_memory`` one more (traced) pass measures the peak
+    activation and gradient bytes under the net's memory mode."""
     n = len(net.layers)
     report("Performing Forward")
     loss = net.forward_range()
@@ -111,8 +113,8 @@ def time_net(net, iterations=50, report=log.info):
         report("%*s\tforward: %.6g ms.", width, name, fwd[i] / iterations * 1e3)
         report("%*s\tbackward: %.6g ms.", width, name, bwd[i] / iterations * 1e3)
     result = {"forward_ms": fwd_total / iterations * 1e3, "backward_ms": bwd_total / iterations * 1e3,
-              "layers": {name: (fwd[i] / iterations * 1e3, bwd[i] / iterations * 1e3)
-                         for i, name in enumerate(net.layer_names)}}
+              "layers": [(name, fwd[i] / iterations * 1e3, bwd[i] / iterations * 1e3)
+                         for i, name in enumerate(net.layer_names)]}
     result["forward_backward_ms"] = result["forward_ms"] + result["backward_ms"]
     report("Average Forward pass: %.6g ms.", result["forward_ms"])
     report("Average Backward pass: %.6g ms.", result["backward_ms"])
@@ -121,6 +123,14 @@ def time_net(net, iterations=50, report=log.info):
     mem = net.memory_summary()
     for key, value in mem.items():
         report("Memory: %s = %d", key, value)
+    if measure_memory:
+        from .memory import measure
+        peak = measure(net, passes=2)
+        result["memory"] = peak
+        report("Memory: mode = %s", peak["mode"])
+        for key in ("peak_activation_bytes", "peak_gradient_bytes", "peak_live_bytes",
+                    "predicted_peak_bytes", "peak_traced_bytes"):
+            report("Memory: %s = %d", key, peak[key])
     report("*** Benchmark ends ***")
     return result
 
@@ -136,7 +146,7 @@ def _parse_shape(text):
 
 def time_command(flags):
     """Entry point for `caffempi time` (flags: model, iterations, phase,
-    stage, level, weights, data_shape)."""
+    stage, level, weights, data_shape, memory)."""
     model = getattr(flags, "model", None)
     if not model:
         raise CaffeError("time needs --model=NET.prototxt")
@@ -152,7 +162,8 @@ def time_command(flags):
         if xp is None:
             raise CaffeError("--gpu needs CuPy and a CUDA device; CuPy is not installed")
     net = Net(param, phase=phase, level=int(getattr(flags, "level", 0) or 0), stages=stages,
-              weights=getattr(flags, "weights", None) or None, xp=xp, source_name=model)
+              weights=getattr(flags, "weights", None) or None, xp=xp, source_name=model,
+              memory=getattr(flags, "memory", None) or None)
     randomize_inputs(net)
     iterations = int(getattr(flags, "iterations", None) or 50)
     time_net(net, iterations)

@@ -53,6 +53,21 @@ class Layer:
     # (rank, size) of this process's share of the data; data layers read
     # records i with i % size == rank.  Set by the net before setup.
     data_shard = (0, 1)
+    # What backward reads, for the memory planner (caffempi.memory).  Each is
+    # a bool or a method returning one (``lambda self: ...``); the defaults
+    # are conservative, so a layer that says nothing keeps its blobs alive.
+    backward_reads_bottom_data = True   # bottoms' data (as they are after forward)
+    backward_reads_top_data = True      # tops' data (as they are after forward)
+    # In place (top is bottom) the layer keeps its own reference/copy of the
+    # input, so backward does not read the shared blob as a bottom.
+    in_place_keeps_input = False
+    # Attributes holding arrays kept from forward for backward only; the
+    # planner drops them after backward (set to None; forward sets them anew).
+    backward_state = ()
+    # Forward is cheap and deterministic (no random numbers; statistics
+    # updates are undone by the planner): --memory=recompute may drop its
+    # outputs and state after forward and run it again in backward.
+    recompute_cheap = False
 
     def __init__(self, layer_param, phase=TRAIN, xp=np, dtype=np.float32):
         self.param = layer_param

@@ -14,6 +14,7 @@ def _canonical_axis(layer, axis, ndim):
 
 @register("InnerProduct")
 class InnerProductLayer(Layer):
+    backward_reads_top_data = False
     """top = bottom (flattened from ``axis``) x W^T + b, with W of shape
     (num_output, K), or (K, num_output) when ``transpose`` is set."""
 
@@ -76,6 +77,7 @@ class InnerProductLayer(Layer):
 
 @register("Embed")
 class EmbedLayer(Layer):
+    backward_reads_top_data = False
     """Looks up rows of a (input_dim, num_output) table by the integer values
     held (as floats) in the bottom; top shape is bottom shape + (num_output,)."""
 

@@ -18,6 +18,12 @@ class _Neuron(Layer):
     and ``gradient(x, y, dy) -> dx``; ``x`` is None in an in-place run of a
     layer whose ``needs_input()`` is False."""
 
+    # memory planner annotations (see Layer)
+    backward_reads_bottom_data = lambda self: self.needs_input()
+    in_place_keeps_input = True
+    backward_state = ("_saved_input",)
+    recompute_cheap = True
+
     exact_num_bottom = 1
     exact_num_top = 1
     in_place_ok = True
@@ -89,6 +95,8 @@ class ReLULayer(_Neuron):
 
 @register("PReLU")
 class PReLULayer(_Neuron):
+    backward_reads_bottom_data = True
+    backward_reads_top_data = False
     def setup(self, bottom, top):
         super().setup(bottom, top)
         if bottom[0].num_axes < 2:
@@ -285,6 +293,8 @@ class LogLayer(_Neuron):
 
 @register("Threshold")
 class ThresholdLayer(_Neuron):
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
     def needs_input(self):
         return False
 
@@ -314,6 +324,7 @@ class ClipLayer(_Neuron):
 
 @register("Swish")
 class SwishLayer(_Neuron):
+    backward_state = ("_saved_input", "_sig")
     def setup(self, bottom, top):
         super().setup(bottom, top)
         self.beta = float(self.param.swish_param.beta)
@@ -334,6 +345,9 @@ class SwishLayer(_Neuron):
 
 @register("Dropout")
 class DropoutLayer(_Neuron):
+    backward_reads_top_data = False
+    backward_state = ("_saved_input", "_mask")
+    recompute_cheap = False     # draws random numbers
     def setup(self, bottom, top):
         super().setup(bottom, top)
         p = self.param.dropout_param

@@ -13,6 +13,10 @@ def _normalize_backward(dy, y, axes):
 @register("BatchNorm")
 class BatchNormLayer(Layer):
     statistics_params = True
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    backward_state = ("_y",)
+    recompute_cheap = True
     """Caffe's BatchNorm (no scale/shift: pair it with a Scale layer).
 
     blobs: [running mean sum (C,), running variance sum (C,), scale factor (1,)];
@@ -87,6 +91,10 @@ class BatchNormLayer(Layer):
 
 @register("MVN")
 class MVNLayer(Layer):
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    backward_state = ("_y",)
+    recompute_cheap = True
     """Subtracts the mean of each sample's channel (or of each whole sample
     with across_channels) and, with normalize_variance, divides by std + eps."""
 

@@ -53,6 +53,10 @@ def _reduce(a, dims):
 
 @register("Scale")
 class ScaleLayer(Layer):
+    backward_reads_top_data = False
+    in_place_keeps_input = True
+    backward_state = ("_x",)
+    recompute_cheap = True
     """top = bottom[0] * scale (+ bias).  With one bottom the scale is
     blobs[0] (default filler: constant 1) and an optional bias is blobs[1];
     with two bottoms the scale is bottom[1] and the bias, if any, blobs[0]."""
@@ -127,6 +131,9 @@ class ScaleLayer(Layer):
 
 @register("Bias")
 class BiasLayer(Layer):
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    recompute_cheap = True
     """top = bottom[0] + bias, the bias being blobs[0] (default filler:
     constant 0) or bottom[1]."""
 

@@ -17,6 +17,8 @@ def softmax_backward(xp, prob, top_diff, axis):
 
 @register("Softmax")
 class SoftmaxLayer(Layer):
+    backward_reads_bottom_data = False
+    recompute_cheap = True
     exact_num_bottom = 1
     exact_num_top = 1
 

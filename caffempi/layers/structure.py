@@ -56,6 +56,9 @@ def _no_in_place(layer, bottom, top):
 @register("Concat")
 class ConcatLayer(Layer):
     """Joins its bottoms along one axis."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    recompute_cheap = True
     min_bottom = 1
     exact_num_top = 1
 
@@ -96,6 +99,9 @@ class ConcatLayer(Layer):
 @register("Slice")
 class SliceLayer(Layer):
     """Cuts its bottom along one axis at ``slice_point``s, or into equal parts."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    recompute_cheap = True
     exact_num_bottom = 1
     min_top = 1
 
@@ -147,6 +153,9 @@ class SliceLayer(Layer):
 class SplitLayer(Layer):
     """Hands one bottom to several consumers.  The tops share the bottom's
     array (no copy, as Caffe's ShareData); the gradient is the sum of theirs."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    recompute_cheap = True
     exact_num_bottom = 1
     min_top = 1
 
@@ -177,6 +186,9 @@ class SplitLayer(Layer):
 class _ViewLayer(Layer):
     """Base of layers whose top is the bottom's data under another shape
     (Caffe shares data and diff); subclasses compute ``_top_shape``."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    recompute_cheap = True
     exact_num_bottom = 1
     exact_num_top = 1
 
@@ -260,6 +272,9 @@ class ReshapeLayer(_ViewLayer):
 class CropLayer(Layer):
     """Crops bottom 0 to the shape of bottom 1 on axes >= ``axis``, starting at
     ``offset`` (one for all cropped axes, or one per cropped axis; default 0)."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    recompute_cheap = True
     exact_num_bottom = 2
     exact_num_top = 1
 
@@ -307,6 +322,9 @@ class CropLayer(Layer):
 class TileLayer(Layer):
     """Repeats the bottom ``tiles`` times along ``axis`` (whole blocks of
     axes >= axis, as np.tile does on that axis)."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    recompute_cheap = True
     exact_num_bottom = 1
     exact_num_top = 1
 
@@ -339,6 +357,11 @@ class TileLayer(Layer):
 @register("Eltwise")
 class EltwiseLayer(Layer):
     """Element-wise PROD, SUM (with one ``coeff`` per bottom) or MAX."""
+    # SUM reads neither in backward; PROD reads bottoms and top; MAX its index
+    backward_reads_bottom_data = lambda self: self._op == _ELTWISE.PROD
+    backward_reads_top_data = lambda self: self._op == _ELTWISE.PROD
+    backward_state = ("_max_idx",)
+    recompute_cheap = lambda self: self._op == _ELTWISE.SUM
     min_bottom = 2
     exact_num_top = 1
 
@@ -420,6 +443,8 @@ class EltwiseLayer(Layer):
 @register("Silence")
 class SilenceLayer(Layer):
     """Consumes its bottoms so they are not reported as net outputs."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
     min_bottom = 1
     exact_num_top = 0
 
@@ -440,6 +465,7 @@ class SilenceLayer(Layer):
 class ReductionLayer(Layer):
     """SUM, ASUM, SUMSQ or MEAN over all axes from ``axis`` on, times coeff;
     the top keeps the axes before ``axis`` (a scalar for axis 0)."""
+    backward_reads_top_data = False
     exact_num_bottom = 1
     exact_num_top = 1
 
@@ -492,6 +518,8 @@ class ArgMaxLayer(Layer):
     """Indices (and with out_max_val, values) of the top_k largest entries,
     per image over all its values, or along ``axis``.  Ties put the larger
     index first, as Caffe's partial_sort over (value, index) pairs does."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
     exact_num_bottom = 1
     exact_num_top = 1
 

@@ -16,6 +16,7 @@ from ..backend import to_numpy
 from ..common import CaffeError, TEST, TRAIN, log
 from ..io import proto_io
 from ..io.proto_io import ProtoError
+from ..memory import TRAINING_DEFAULT, check_mode
 from ..net import Net
 from ..proto import caffe_pb2
 from . import lr_policy
@@ -151,7 +152,7 @@ def _rng_state_from_json(obj):
 class Solver:
     """Base solver: Caffe's Solver + SGDSolver's shared parts.
 
-    ``Solver(param_or_path, xp=numpy, reducer=None, weights=None, source=None)``
+    ``Solver(param_or_path, xp=numpy, reducer=None, weights=None, source=None, memory="reuse")``
 
     pycaffe-like API: ``step(n)``, ``solve(resume_file=None)``, ``net``,
     ``test_nets``, ``iter``, ``snapshot()``, ``restore(path)``, ``test(i)``.
@@ -168,7 +169,8 @@ class Solver:
     type = None          # Caffe's solver type name
     num_history = 1      # flat history buffers per learnable parameter set
 
-    def __init__(self, param, xp=None, reducer=None, weights=None, source=None):
+    def __init__(self, param, xp=None, reducer=None, weights=None, source=None, memory=TRAINING_DEFAULT):
+        self.memory = check_mode(memory)
         if isinstance(param, caffe_pb2.SolverParameter):
             p = caffe_pb2.SolverParameter()
             p.CopyFrom(param)
@@ -283,7 +285,7 @@ class Solver:
         try:
             return Net(net_param, phase=state.phase, level=state.level, stages=list(state.stage),
                        xp=self.xp, source_name=source,
-                       data_shard=(self.reducer.rank, self.reducer.size))
+                       data_shard=(self.reducer.rank, self.reducer.size), memory=self.memory)
         except ProtoError as e:
             raise CaffeError(str(e)) from None
 
