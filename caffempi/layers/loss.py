@@ -256,15 +256,19 @@ class InfogainLossLayer(_ProbLossLayer):
             self._finish_backward(top, bottom, grad)
 
 
-@register("MultinomialLogisticLoss")
-class MultinomialLogisticLossLayer(LossLayer):
-    """-log p[label] averaged over the batch; bottom 0 holds probabilities."""
+class _OneLabelPerItemLoss(LossLayer):
+    """A loss whose second bottom holds exactly one class label per item."""
 
     def reshape(self, bottom, top):
         LossLayer.reshape(self, bottom, top)
         if bottom[1].count != _num(bottom[0]):
             raise self.error("needs one label per item: prediction shape %s, label shape %s",
                              bottom[0].shape, bottom[1].shape)
+
+
+@register("MultinomialLogisticLoss")
+class MultinomialLogisticLossLayer(_OneLabelPerItemLoss):
+    """-log p[label] averaged over the batch; bottom 0 holds probabilities."""
 
     def forward(self, bottom, top):
         xp = self.xp
@@ -356,15 +360,9 @@ class SigmoidCrossEntropyLossLayer(LossLayer):
 
 
 @register("HingeLoss")
-class HingeLossLayer(LossLayer):
+class HingeLossLayer(_OneLabelPerItemLoss):
     """One-vs-all hinge loss: t = max(0, 1 - s x) with s = +1 at the label
     and -1 elsewhere; sum(t) / N (L1) or sum(t^2) / N (L2)."""
-
-    def reshape(self, bottom, top):
-        LossLayer.reshape(self, bottom, top)
-        if bottom[1].count != _num(bottom[0]):
-            raise self.error("needs one label per item: prediction shape %s, label shape %s",
-                             bottom[0].shape, bottom[1].shape)
 
     def forward(self, bottom, top):
         xp = self.xp
