@@ -1,6 +1,9 @@
 """Forward-backward time per net and per layer (CPU), like `caffe time`.
 
-    python benchmarks/net_speed.py [--iterations 20] [--threads 1,2]
+    python benchmarks/net_speed.py [--iterations 20] [--threads 1,2] [--memory reuse]
+
+``--memory`` is the activation memory mode (the trainer's default, reuse,
+unless told otherwise; see caffempi/memory.py).
 
 Each thread count runs in a fresh process (BLAS reads its thread count at
 load).  Prints one table per net and thread count, plus a summary."""
@@ -18,7 +21,7 @@ NETS = [
 ]
 
 
-def measure(model, shape, batch, iterations):
+def measure(model, shape, batch, iterations, memory):
     """Runs in the child: build the net with random input, time it."""
     sys.path.insert(0, str(REPO))
     from caffempi import Net, TRAIN
@@ -26,22 +29,23 @@ def measure(model, shape, batch, iterations):
     from caffempi.timing import randomize_inputs, substitute_data_layers, time_net
     param = proto_io.read_net_param(str(REPO / model))
     param = substitute_data_layers(param, shape, only_unreadable=False, warn=False, batch_size=batch)
-    net = Net(param, phase=TRAIN)
+    net = Net(param, phase=TRAIN, memory=memory)
     randomize_inputs(net)
     for _ in range(3):  # warm-up
         net.forward_backward()
-    return time_net(net, iterations, report=lambda *a: None)
+    return time_net(net, iterations, report=lambda *a: None, measure_memory=False)
 
 
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--iterations", type=int, default=20)
     ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--memory", default="reuse", help="none, reuse or recompute")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
         name, model, shape, batch = json.loads(args.child)
-        print(json.dumps(measure(model, tuple(shape), batch, args.iterations)))
+        print(json.dumps(measure(model, tuple(shape), batch, args.iterations, args.memory)))
         return
     summary = []
     for threads in [int(t) for t in args.threads.split(",")]:
@@ -49,11 +53,12 @@ def main():
                    MKL_NUM_THREADS=str(threads))
         for name, model, shape, batch in NETS:
             out = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
+                                  "--memory", args.memory,
                                   "--child", json.dumps([name, model, shape, batch])],
                                  env=env, check=True, capture_output=True, text=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
-            print("\n%s, batch %d, %d BLAS thread(s): forward %.2f ms, backward %.2f ms, total %.2f ms"
-                  % (name, batch, threads, r["forward_ms"], r["backward_ms"], r["forward_backward_ms"]))
+            print("\n%s, batch %d, %d BLAS thread(s), memory %s: forward %.2f ms, backward %.2f ms, total %.2f ms"
+                  % (name, batch, threads, args.memory, r["forward_ms"], r["backward_ms"], r["forward_backward_ms"]))
             print("  %-14s %10s %10s" % ("layer", "fwd ms", "bwd ms"))
             for layer, f, b in r["layers"]:
                 print("  %-14s %10.3f %10.3f" % (layer, f, b))
