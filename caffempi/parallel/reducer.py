@@ -36,7 +36,7 @@ import numpy as np
 from ..common import CaffeError, log
 
 COMM_MODES = ("overlap", "blocking", "thread", "async", "nopoll")
-# Measured on this 2-core machine (benchmarks/scaling.py, docs/mpi.md):
+# Measured on this 2-core machine (benchmarks/scaling.py; README, "Scaling"):
 # LeNet's 1.7 MB of gradients in one or two buckets is best; 4 MB behaves the
 # same on CIFAR10-quick.  DDP's small first bucket starts the first message early.
 DEFAULT_BUCKET_MB = 4.0
