@@ -81,6 +81,7 @@ class MPIHostTransport:
         self._pending = []
         self.comm_seconds = 0.0          # time inside blocking Allreduce calls
         self.poll_sleep = 50e-6          # between polls while waiting in finish()
+        self.spin_seconds = 1e-3         # busy polling before those sleeps start
         self._thread = None
         if mode == "thread":
             if world.thread_level < self.MPI.THREAD_MULTIPLE:
@@ -121,13 +122,13 @@ class MPIHostTransport:
             if self._error is not None:
                 raise self._error
             return
-        # MPI_Wait spins on the core; when the other rank is still computing
-        # (the usual reason to wait here) that steals CPU from whatever shares
-        # the core.  Poll instead, sleeping ~50 us between polls.
-        spins = 0
+        # Spin on Test for a short budget (a bucket finishing just after
+        # backward completes soonest that way: measured 0.41 vs 0.55 ms exposed
+        # on LeNet), then poll with ~50 us sleeps, so a long wait for a slower
+        # rank does not steal the CPU from whatever shares this core.
+        spin_until = time.perf_counter() + self.spin_seconds
         while not handle.Test():
-            spins += 1
-            if spins > 20:
+            if time.perf_counter() > spin_until:
                 time.sleep(self.poll_sleep)
         self._pending = [r for r in self._pending if r != self.MPI.REQUEST_NULL]
 
