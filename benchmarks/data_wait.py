@@ -5,7 +5,6 @@ images through the Data layer (CIFAR: mean file, as models/cifar10 uses).
     python benchmarks/data_wait.py [--iters 200] [--display 50]
 """
 import argparse
-import logging
 import os
 import re
 import sys
@@ -17,6 +16,7 @@ import numpy as np
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from caffempi.common import captured_log  # noqa: E402
 from caffempi.data.datum import array_to_datum  # noqa: E402
 from caffempi.data.lmdb_io import LMDBWriter  # noqa: E402
 from caffempi.io import proto_io  # noqa: E402
@@ -57,16 +57,8 @@ def run(name, iters, display, workdir):
                                    display=display, snapshot_after_train=False, random_seed=1)
     sp.net_param.CopyFrom(net)
     solver = get_solver(sp)
-    lines = []
-    handler = logging.Handler()
-    handler.emit = lambda r: lines.append(r.getMessage())
-    log = logging.getLogger("caffempi")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
+    with captured_log() as lines:
         solver.solve()
-    finally:
-        log.removeHandler(handler)
     waits = [(float(m.group(1)), float(m.group(2))) for m in
              (re.search(r"Data wait: ([\d.]+) ms/iter \(([\d.]+)% of the step", l) for l in lines) if m]
     for l in lines:

@@ -1,5 +1,6 @@
 """Process-wide state shared by layers, nets and solvers: phases, the random
 generator (Caffe's Caffe::rng) and glog-style logging."""
+import contextlib
 import logging
 import os
 import sys
@@ -73,3 +74,19 @@ def init_logging(level=logging.INFO, prefix="", stream=None):
     log.addHandler(_handler)
     log.setLevel(level)
     log.propagate = False
+
+
+@contextlib.contextmanager
+def captured_log(level=logging.INFO):
+    """Collect the messages caffempi logs inside the block (a list)."""
+    messages = []
+    handler = logging.Handler(level)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    old_level = log.level
+    log.addHandler(handler)
+    log.setLevel(min(level, old_level or level))
+    try:
+        yield messages
+    finally:
+        log.removeHandler(handler)
+        log.setLevel(old_level)

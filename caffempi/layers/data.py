@@ -17,6 +17,7 @@ import numpy as np
 from ..common import CaffeError, TRAIN, rng, log
 from ..data import lmdb_io
 from ..data.datum import datum_to_array, parse_datum, pil_to_chw
+from ..data.image_list import read_image_list
 from ..data.reader import BatchPrefetcher, lmdb_producer, shard_positions
 from ..data.transformer import DataTransformer
 from ..proto import caffe_pb2
@@ -256,32 +257,6 @@ class ImageDataLayer(_BatchDataLayer):
         imgs = [self._decode(rec, raw) for rec, raw in recs]
         labels = np.asarray([rec[1] for rec, _ in recs], np.float32)
         return self.transformer.transform(imgs, self._draws(k)), labels
-
-
-def read_image_list(source, layer=None):
-    """``path label`` lines (the last space separates the label) ->
-    [(path, label, line number)]."""
-    name = ("layer '%s' (ImageData): " % layer.name) if layer is not None else ""
-    try:
-        with open(source) as f:
-            text = f.read().splitlines()
-    except OSError as e:
-        raise CaffeError("%scannot read image list %s: %s" % (name, source, e.strerror or e)) from None
-    lines = []
-    for n, line in enumerate(text, 1):
-        line = line.rstrip()
-        if not line:
-            continue
-        pos = line.rfind(" ")
-        try:
-            if pos < 0:
-                raise ValueError
-            lines.append((line[:pos], int(line[pos + 1:]), n))
-        except ValueError:
-            raise CaffeError("%s%s line %d: expected 'path label', got %r" % (name, source, n, line)) from None
-    if not lines:
-        raise CaffeError("%simage list %s is empty" % (name, source))
-    return lines
 
 
 @register("HDF5Data")

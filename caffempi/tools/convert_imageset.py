@@ -14,30 +14,9 @@ import numpy as np
 
 from ..common import CaffeError
 from ..data.datum import array_to_datum, encode_image, encoded_datum, pil_to_chw
+from ..data.image_list import read_image_list
 from ..data.lmdb_io import LMDBWriter, check_backend
 from ._util import info, progress, run_main
-
-
-def read_list(path):
-    """[(filename, label)]: the last space separates the label (Caffe)."""
-    try:
-        with open(path) as f:
-            text = f.read().splitlines()
-    except OSError as e:
-        raise CaffeError("cannot read list file %s: %s" % (path, e.strerror or e)) from None
-    lines = []
-    for n, line in enumerate(text, 1):
-        line = line.rstrip()
-        if not line:
-            continue
-        pos = line.rfind(" ")
-        try:
-            if pos < 0:
-                raise ValueError
-            lines.append((line[:pos], int(line[pos + 1:])))
-        except ValueError:
-            raise CaffeError("%s line %d: expected 'filename label', got %r" % (path, n, line)) from None
-    return lines
 
 
 def read_image(path, height=0, width=0, is_color=True):
@@ -74,7 +53,7 @@ def convert(root, list_file, db_name, gray=False, shuffle=False, backend="lmdb",
             resize_width=0, resize_height=0, check_size=False, encoded=False,
             encode_type="", seed=0):
     check_backend(backend)
-    lines = read_list(list_file)
+    lines = [(path, label) for path, label, _ in read_image_list(list_file)]
     if shuffle:
         info("Shuffling data")
         order = np.random.RandomState(seed).permutation(len(lines))
