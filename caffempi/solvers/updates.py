@@ -50,47 +50,42 @@ def nesterov(xp, diff, hist, tmp, local_rate, momentum, update=None):
     diff += update
 
 
+def mean_square(xp, g, decay, h, tmp):
+    """h = (1-decay)*g^2 + decay*h (decay a float32)."""
+    xp.multiply(g, g, out=tmp)
+    axpby(xp, f32(1) - decay, tmp, decay, h, tmp)
+
+
+def rms_step(xp, num, hist, delta, rate, tmp, out):
+    """out = rate * num / (sqrt(hist) + delta)."""
+    xp.sqrt(hist, out=tmp)
+    tmp += f32(delta)
+    xp.divide(num, tmp, out=tmp)
+    xp.multiply(tmp, rate, out=out)
+
+
 def adagrad(xp, diff, hist, tmp, local_rate, delta):
     xp.multiply(diff, diff, out=tmp)
     hist += tmp
-    xp.sqrt(hist, out=tmp)
-    tmp += f32(delta)
-    xp.divide(diff, tmp, out=tmp)
-    xp.multiply(tmp, local_rate, out=diff)
+    rms_step(xp, diff, hist, delta, local_rate, tmp, diff)
 
 
 def rmsprop(xp, diff, hist, tmp, local_rate, rms_decay, delta):
-    d = f32(rms_decay)
-    xp.multiply(diff, diff, out=tmp)
-    tmp *= f32(1) - d
-    hist *= d
-    hist += tmp
-    xp.sqrt(hist, out=tmp)
-    tmp += f32(delta)
-    xp.divide(diff, tmp, out=tmp)
-    xp.multiply(tmp, local_rate, out=diff)
+    mean_square(xp, diff, f32(rms_decay), hist, tmp)
+    rms_step(xp, diff, hist, delta, local_rate, tmp, diff)
 
 
 def adadelta(xp, diff, hist_g, hist_u, tmp, local_rate, momentum, delta):
     m = f32(momentum)
-    one_m = f32(1) - m
     dl = f32(delta)
-    # history of gradients
-    xp.multiply(diff, diff, out=tmp)
-    tmp *= one_m
-    hist_g *= m
-    hist_g += tmp
+    mean_square(xp, diff, m, hist_g, tmp)          # history of gradients
     # sqrt((hu + delta) / (hg + delta))
     upd = hist_u + dl
     xp.add(hist_g, dl, out=tmp)
     xp.divide(upd, tmp, out=upd)
     xp.sqrt(upd, out=upd)
     diff *= upd
-    # history of updates
-    xp.multiply(diff, diff, out=tmp)
-    tmp *= one_m
-    hist_u *= m
-    hist_u += tmp
+    mean_square(xp, diff, m, hist_u, tmp)          # history of updates
     # learning rate last
     xp.multiply(diff, local_rate, out=diff)
 
@@ -104,15 +99,6 @@ def adam_correction(beta1, beta2, t):
 def adam(xp, diff, m1, v, tmp, local_rate, beta1, beta2, delta, t):
     b1, b2 = f32(beta1), f32(beta2)
     corr = adam_correction(beta1, beta2, t)
-    # m = (1-b1) g + b1 m
-    axpby(xp, f32(1) - b1, diff, b1, m1, tmp)
-    # v = (1-b2) g^2 + b2 v
-    xp.multiply(diff, diff, out=tmp)
-    tmp *= f32(1) - b2
-    v *= b2
-    v += tmp
-    # g = lr*corr * m / (sqrt(v) + eps)
-    xp.sqrt(v, out=tmp)
-    tmp += f32(delta)
-    xp.divide(m1, tmp, out=tmp)
-    xp.multiply(tmp, local_rate * corr, out=diff)
+    axpby(xp, f32(1) - b1, diff, b1, m1, tmp)      # m = (1-b1) g + b1 m
+    mean_square(xp, diff, b2, v, tmp)               # v = (1-b2) g^2 + b2 v
+    rms_step(xp, m1, v, delta, local_rate * corr, tmp, diff)
