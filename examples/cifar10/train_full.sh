@@ -2,10 +2,7 @@
 # CIFAR-10 full: 60,000 iterations at lr 0.001, 5,000 at 0.0001, 5,000 at
 # 0.00001 (as BVLC's examples/cifar10/train_full.sh), on NP MPI ranks (default 2).
 set -eu
-cd "$( dirname "${BASH_SOURCE[0]}" )/../.."
-PYTHON=${PYTHON:-.venv/bin/python}
-MPIRUN=${MPIRUN:-.venv/bin/mpiexec}
-TRAIN="$MPIRUN -n ${NP:-2} $PYTHON -m caffempi train"
+. "$( dirname "${BASH_SOURCE[0]}" )/../train_common.sh"
 
 $TRAIN --solver=models/cifar10/cifar10_full_solver.prototxt "$@"
 

@@ -2,10 +2,7 @@
 # CIFAR-10 quick: 4,000 iterations at lr 0.001, then 1,000 at lr 0.0001
 # (as BVLC's examples/cifar10/train_quick.sh), on NP MPI ranks (default 2).
 set -eu
-cd "$( dirname "${BASH_SOURCE[0]}" )/../.."
-PYTHON=${PYTHON:-.venv/bin/python}
-MPIRUN=${MPIRUN:-.venv/bin/mpiexec}
-TRAIN="$MPIRUN -n ${NP:-2} $PYTHON -m caffempi train"
+. "$( dirname "${BASH_SOURCE[0]}" )/../train_common.sh"
 
 $TRAIN --solver=models/cifar10/cifar10_quick_solver.prototxt "$@"
 
