@@ -150,6 +150,22 @@ def conv2d_forward(x, w, geom, group):
     return y
 
 
+def _unaliased(a):
+    """``a`` itself, or a copy with padded rows when its rows lie a multiple
+    of 4 KiB apart: a transposing copy that reads such rows (one element per
+    row in turn) keeps missing the L1 cache, whose sets repeat every 4 KiB.
+    CIFAR10-quick conv1's dy (rows of 32x32 floats) transposes 3.7x faster
+    through the padded copy (6.6 -> 1.8 ms per batch)."""
+    row = a.shape[-1] * a.itemsize
+    if row % 4096:
+        return a
+    pad = 64 // a.itemsize
+    buf = _work("unaliased", a.size // a.shape[-1] * (a.shape[-1] + pad), a.dtype)
+    out = buf.reshape(a.shape[:-1] + (a.shape[-1] + pad,))[..., :a.shape[-1]]
+    np.copyto(out, a)
+    return out
+
+
 def _flipped_weights(w, group):
     """Weights of the convolution that maps dy to dx for stride 1: spatially
     flipped, input and output channels swapped within each group."""
@@ -222,7 +238,7 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
         if need_dw or (col_dx and not (sh == 1 and sw == 1)):
             # dy of the chunk as (g, m*p, o/g), matching the columns' order
             dyt = tbuf[:o * m * p].reshape(g, m, p, og)
-            np.copyto(dyt, dy[a:a + m].reshape(m, g, og, p).transpose(1, 0, 3, 2))
+            np.copyto(dyt, _unaliased(dy[a:a + m].reshape(m, g, og, p)).transpose(1, 0, 3, 2))
             dyt = dyt.reshape(g, m * p, og)
         if need_dw:
             col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p]).reshape(g, k // g, m * p)

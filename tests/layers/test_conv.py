@@ -175,6 +175,30 @@ def test_large_batch_uses_chunks_consistently(text):
     np.testing.assert_allclose((cpu.conv2d_forward(xr, w, layer.geom, 2) * dy).sum(), (xr * gx_b).sum(), rtol=1e-10)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_weight_gradient_with_4k_rows(dtype):
+    # output planes of exactly 4 KiB take the padded-copy path for dy's
+    # transpose (cpu._unaliased); dw must equal the plain correlation sum
+    from caffempi.backend import cpu
+    h = 32 if dtype == np.float32 else 16      # 32x32 float32 or 16x32 float64 rows
+    x = rand(3, 2, h, 32).astype(dtype)
+    w = rand(4, 2, 3, 3, seed=1).astype(dtype)
+    dy = rand(3, 4, h, 32, seed=2).astype(dtype)
+    geom = (3, 3, 1, 1, 1, 1, 1, 1)
+    assert (h * 32 * np.dtype(dtype).itemsize) % 4096 == 0
+    gx, gw = cpu.conv2d_backward(x, w, dy, geom, 1)
+    xpad = np.pad(x.astype(np.float64), ((0, 0), (0, 0), (1, 1), (1, 1)))
+    ref = np.zeros(w.shape)
+    for i in range(3):
+        for j in range(3):
+            ref[:, :, i, j] = np.einsum("noyx,ncyx->oc", dy, xpad[:, :, i:i + h, j:j + 32])
+    tol = 1e-3 if dtype == np.float32 else 1e-10
+    np.testing.assert_allclose(gw, ref, rtol=tol, atol=tol)
+    xr = rand(*x.shape, seed=4).astype(dtype)
+    np.testing.assert_allclose((cpu.conv2d_forward(xr, w, geom, 1) * dy).sum(), (xr * gx).sum(),
+                               rtol=tol)
+
+
 def test_float32_forward():
     x = rand(2, 3, 6, 6).astype(np.float32)
     layer, _, top = run_layer(conv_text("num_output: 4 kernel_size: 3 pad: 1"), [x], dtype=np.float32)
