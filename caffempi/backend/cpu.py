@@ -122,8 +122,10 @@ def col2im(col, geom, oh, ow, out):
     return out
 
 
-def conv2d_forward(x, w, geom, group):
-    """y (N, O, oh, ow) = conv(x (N, C, H, W), w (O, C/group, kh, kw))."""
+def conv2d_forward(x, w, geom, group, bias=None):
+    """y (N, O, oh, ow) = conv(x (N, C, H, W), w (O, C/group, kh, kw)) + bias
+    (O,) if given: added while each chunk's GEMM result is copied out, in
+    cache, rather than in another pass over y."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     n, c, h, wd = x.shape
     o = w.shape[0]
@@ -133,8 +135,10 @@ def conv2d_forward(x, w, geom, group):
     wg = w.reshape(g, o // g, -1)
     if _is_pointwise(geom):
         # 1x1 convolution: a batched GEMM on the input itself.
-        y = np.matmul(wg, x.reshape(n, g, c // g, h * wd))
-        return y.reshape(n, o, oh, ow)
+        y = np.matmul(wg, x.reshape(n, g, c // g, h * wd)).reshape(n, o, oh, ow)
+        if bias is not None:
+            y += bias.reshape(o, 1, 1)
+        return y
     y = np.empty((n, o, oh, ow), x.dtype)
     xpad = _pad(x, ph, pw)
     p = oh * ow
@@ -146,7 +150,11 @@ def conv2d_forward(x, w, geom, group):
         m = min(nb, n - a)
         col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p])
         r = np.matmul(wg, col.reshape(g, k // g, m * p), out=rbuf[:o * m * p].reshape(g, o // g, m * p))
-        y[a:a + m] = r.reshape(o, m, oh, ow).transpose(1, 0, 2, 3)
+        r = r.reshape(o, m, oh, ow).transpose(1, 0, 2, 3)
+        if bias is None:
+            np.copyto(y[a:a + m], r)
+        else:
+            np.add(r, bias.reshape(o, 1, 1), out=y[a:a + m])
     return y
 
 

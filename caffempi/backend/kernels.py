@@ -18,8 +18,8 @@ def _impl(xp, name):
 conv_out_size = cpu.conv_out_size
 
 
-def conv2d_forward(xp, x, w, geom, group):
-    return _impl(xp, "conv2d_forward")(x, w, geom, group)
+def conv2d_forward(xp, x, w, geom, group, bias=None):
+    return _impl(xp, "conv2d_forward")(x, w, geom, group, bias)
 
 
 def conv2d_backward(xp, x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None):

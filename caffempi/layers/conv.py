@@ -100,8 +100,8 @@ class _ConvBase(Layer):
         for t in top:
             t.reshape((shape[0], self.num_output, oh, ow))
 
-    def _conv(self, x, w):
-        return kernels.conv2d_forward(self.xp, x, w, self.geom, self.group)
+    def _conv(self, x, w, bias=None):
+        return kernels.conv2d_forward(self.xp, x, w, self.geom, self.group, bias)
 
     def _conv_t(self, dy, w, x_shape):
         return kernels.conv2d_backward(self.xp, None, w, dy, self.geom, self.group,
@@ -113,13 +113,14 @@ class _ConvBase(Layer):
 
     def forward(self, bottom, top):
         w = self.blobs[0].data
+        bias = self.blobs[1].data if self.bias_term else None
         for b, t in zip(bottom, top):
             if self.transposed:
                 y = self._conv_t(b.data, w, t.shape)
+                if bias is not None:
+                    y += bias.reshape(1, -1, 1, 1)
             else:
-                y = self._conv(b.data, w)
-            if self.bias_term:
-                y += self.blobs[1].data.reshape(1, -1, 1, 1)
+                y = self._conv(b.data, w, bias)
             t.data = y
 
     def backward(self, top, propagate_down, bottom):

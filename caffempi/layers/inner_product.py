@@ -57,9 +57,21 @@ class InnerProductLayer(Layer):
 
     def forward(self, bottom, top):
         x = bottom[0].data.reshape(self.M, self.K)
-        y = x @ self._weight_nk().T
-        if self.bias_term:
-            y += self.blobs[1].data
+        w = self._weight_nk()
+        if self.num_output > self.M:
+            # OpenBLAS runs the product faster with the longer side as its
+            # rows (32x9216 by 9216x4096: 42 vs 61 ms; LeNet's ip1 0.63 vs
+            # 0.67 ms); the transpose back is fused with the bias add
+            y = self.xp.empty((self.M, self.num_output), x.dtype)
+            yt = (w @ x.T).T
+            if self.bias_term:
+                self.xp.add(yt, self.blobs[1].data, out=y)
+            else:
+                y[...] = yt
+        else:
+            y = x @ w.T
+            if self.bias_term:
+                y += self.blobs[1].data
         top[0].data = y.reshape(top[0].shape)
 
     def backward(self, top, propagate_down, bottom):

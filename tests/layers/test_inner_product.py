@@ -44,6 +44,16 @@ def test_ip_no_bias_has_one_blob():
     np.testing.assert_allclose(top[0].data, rand(2, 4) @ layer.blobs[0].data.T)
 
 
+@pytest.mark.parametrize("rows", [2, 7])           # fewer / more rows than outputs
+@pytest.mark.parametrize("bias", ["true", "false"])
+def test_ip_forward_both_product_orientations(rows, bias):
+    x = rand(rows, 6)
+    layer, _, top = run_layer(ip("num_output: 4 bias_term: %s" % bias), [x])
+    ref = x @ layer.blobs[0].data.T + (layer.blobs[1].data if bias == "true" else 0)
+    assert top[0].data.flags.c_contiguous
+    np.testing.assert_allclose(top[0].data, ref, rtol=1e-12)
+
+
 def test_ip_input_size_mismatch():
     layer, bottom, top = run_layer(ip("num_output: 3"), [rand(2, 4)])
     bottom[0].reshape((2, 5))
