@@ -6,14 +6,16 @@ and ``-flag=value``; boolean flags also as ``--flag`` / ``--noflag``.  A
 flag is one :func:`define_flag` line; a command is one ``COMMANDS`` entry.
 
 Errors a user can cause (CaffeError, ProtoError, OSError, KeyboardInterrupt)
-print ``caffempi: error: <message>`` on one line and exit 1; ``--debug``
-shows the traceback instead.
+print ``caffempi: error: <message>`` on one line and exit 1 (under MPI: that
+rank's line, then MPI_Abort; an AgreedError, raised on every rank together:
+rank 0's line, and every rank exits 1); ``--debug`` shows the traceback
+instead.
 """
 import signal
 import sys
 from collections import OrderedDict
 
-from .common import CaffeError, TEST, init_logging, log
+from .common import AgreedError, CaffeError, TEST, init_logging, log
 from .io.proto_io import ProtoError
 
 PROG = "caffempi"
@@ -332,6 +334,12 @@ def main(argv=None):
         if debug:
             raise
         msg = " ".join(str(e).split()) or e.__class__.__name__
+        if isinstance(e, AgreedError):
+            # every rank stopped here together: one line from rank 0, and
+            # each rank exits normally (no MPI_Abort)
+            if _is_root():
+                print("%s: error: %s" % (PROG, msg), file=sys.stderr)
+            return 1
         print("%s%s: error: %s" % (_rank_prefix(), PROG, msg), file=sys.stderr)
         return _exit_code(1)
     except KeyboardInterrupt:
@@ -344,6 +352,11 @@ def main(argv=None):
 def _rank_prefix():
     from .parallel.comm import _world
     return "[rank %d] " % _world.rank if _world is not None and _world.size > 1 else ""
+
+
+def _is_root():
+    from .parallel.comm import _world
+    return _world is None or _world.rank == 0
 
 
 def _exit_code(rc):

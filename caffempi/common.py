@@ -18,6 +18,12 @@ class CaffeError(Exception):
     """An error reported to the user as one line (no traceback unless --debug)."""
 
 
+class AgreedError(CaffeError):
+    """A CaffeError that every rank raises at the same point of the loop (after
+    agreeing on it through the reducer): rank 0 reports it and every rank exits
+    normally, with no MPI_Abort."""
+
+
 # --------------------------------------------------------------------- random
 _rng = np.random.RandomState(1701)
 

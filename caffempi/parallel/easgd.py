@@ -17,10 +17,18 @@ LeCun, "Deep learning with Elastic Averaging SGD" (arXiv:1412.6651):
 All ranks start with equal params and the centre equal to them: ``start``
 clones the centre from the broadcast initial weights, before the first local
 step (AllReduceEA clones it lazily at its first call, after a step, which its
-AllReduceEA.md says is meant to be "the same params and the same center").  ``synchronize`` is the
-counterpart of AllReduceEA's ``synchronizeCenter``: it applies the elastic
-move once more with the centre and then gives every rank the centre, so the
-snapshot and the test nets see one model.
+AllReduceEA.md says is meant to be "the same params and the same center").
+
+``synchronize`` is the counterpart of AllReduceEA's ``synchronizeCenter``
+(DistLearn's examples call it at the end of each epoch): every rank gets rank
+0's centre and the step counter restarts.  synchronizeCenter's extra
+allreduce of zero deltas is for ranks that took a different number of steps
+(its test draws them at random); ours run in lockstep, so it is left out.
+Unlike synchronizeCenter, every rank also takes the centre as its parameters:
+the solver calls it (through ``EASGDReducer.synchronize_model``) before each
+test pass and snapshot, so the test scores and the .caffemodel are the
+centre's, and a resume from that snapshot (whose weights become every rank's
+params and centre) continues exactly as the uninterrupted run.
 """
 import numpy as np
 
@@ -35,7 +43,6 @@ class ElasticAverager:
         self.step = 0
         self.center = None
         self.delta = None
-        self.rounds = 0
 
     def _init(self, params):
         if self.center is None:
@@ -62,7 +69,6 @@ class ElasticAverager:
         params -= d
         self.world.allreduce_sum(d)
         self.center += d
-        self.rounds += 1
         return True
 
     def synchronize(self, params):
@@ -75,19 +81,6 @@ class ElasticAverager:
         params[...] = self.center
         self.step = 0
 
-    # -- snapshot/restore of the centre with the solver state
-    def get_state(self):
-        return {"step": self.step, "rounds": self.rounds,
-                "center": None if self.center is None else self.center.copy()}
-
-    def set_state(self, state):
-        self.step = int(state.get("step", 0))
-        self.rounds = int(state.get("rounds", 0))
-        c = state.get("center")
-        if c is not None:
-            self.center = np.array(c, copy=True)
-            self.delta = np.empty_like(self.center)
-
 
 def _reducer_base():
     from .reducer import Reducer
@@ -99,12 +92,17 @@ class EASGDReducer(_reducer_base()):
     rank steps on its own batch), and after every update
     :meth:`after_update` runs the elastic averaging every ``tau`` steps.
     Displayed losses, test scores and signal actions are combined as in the
-    gradient-averaging reducer."""
+    gradient-averaging reducer; tests and snapshots see the centre
+    (:meth:`synchronize_model`)."""
 
     def __init__(self, world, tau=10, alpha=0.2):
         super().__init__(world, comm="blocking")
         self.averager = ElasticAverager(world, tau, alpha)
         self._started = False
+        # True while every rank holds the same weights and history (after the
+        # broadcast or a synchronisation, until the next local step): a test
+        # right after a snapshot then costs no collective and changes nothing.
+        self._in_sync = False
 
     def attach(self, net, iter_size=1):
         self.net = net
@@ -118,6 +116,22 @@ class EASGDReducer(_reducer_base()):
         super().broadcast_params(net, root)
         self.averager.start(net.param_data)
         self._started = True
+        self._in_sync = True
+
+    def synchronize_model(self, net, history):
+        """Every rank takes the centre as its weights and the mean of the
+        ranks' solver histories (the ranks' momenta are their own between
+        synchronisations; the snapshot holds one history, and every rank
+        resumes with it), identical to the bit on all ranks."""
+        if not self.active or self._in_sync:
+            return
+        self.averager.synchronize(net.param_data)
+        for h in history:
+            self.world.allreduce_sum(h)
+            h *= h.dtype.type(1.0 / self.size)
+            # a sum of more than two ranks may differ in the last bit between ranks
+            self.world.bcast_array(h, 0)
+        self._in_sync = True
 
     def start_iteration(self, net, iter_size=None):
         if self.net is not net:
@@ -130,6 +144,7 @@ class EASGDReducer(_reducer_base()):
         self.last_exposed = 0.0
         self.iterations += 1
         self._updated = True
+        self._in_sync = False
         return 0.0
 
     def combine_action(self, action):

@@ -1,5 +1,6 @@
-"""Start-up of an MPI job: per-rank logging, abort on any rank's error, and
-the broadcast of the initial weights and solver state from rank 0."""
+"""Start-up of an MPI job: per-rank logging, abort on any rank's error (a
+normal exit on an error all ranks agreed on), and the broadcast of the
+initial weights and solver state from rank 0."""
 import logging
 import os
 import signal
@@ -8,7 +9,7 @@ import threading
 import traceback
 
 
-from ..common import CaffeError, init_logging, log
+from ..common import AgreedError, CaffeError, init_logging, log
 from .comm import get_world
 
 
@@ -26,8 +27,9 @@ def init_rank_logging(world=None, level=logging.INFO, stream=None):
 
 def _report(world, exc_type, exc, tb, debug=False):
     """Print this rank's error to stderr (directly, not through logging, so
-    it is out before MPI_Abort tears the job down)."""
-    prefix = "[rank %d] " % world.rank if world.size > 1 else ""
+    it is out before MPI_Abort tears the job down).  An AgreedError is the
+    job's, not this rank's: no rank prefix."""
+    prefix = "[rank %d] " % world.rank if world.size > 1 and not issubclass(exc_type, AgreedError) else ""
     try:
         if issubclass(exc_type, CaffeError) and not debug:
             msg = "%scaffempi: error: %s" % (prefix, " ".join(str(exc).split()))
@@ -43,6 +45,17 @@ def _report(world, exc_type, exc, tb, debug=False):
         os.write(2, (msg + "\n").encode("utf-8", "replace"))
 
 
+def _fail(world, exc_type, exc, tb, debug=False):
+    """Report an exception and abort the job, unless every rank raised it
+    together (AgreedError): then rank 0 alone reports it and this returns, so
+    the rank exits with status 1 like all the others and MPI finalizes."""
+    agreed = issubclass(exc_type, AgreedError)
+    if world.rank == 0 or not agreed:
+        _report(world, exc_type, exc, tb, debug)
+    if not agreed:
+        world.abort(1)
+
+
 def abort_job(world=None, code=1):
     """End every rank now (MPI_Abort); never returns."""
     world = world or get_world()
@@ -52,7 +65,8 @@ def abort_job(world=None, code=1):
 def install_abort_handlers(world=None, debug=False):
     """Any uncaught exception, in any thread of any rank, prints that rank's
     error and aborts the whole job with a non-zero exit (no hang in a
-    collective the failed rank will never reach)."""
+    collective the failed rank will never reach); an AgreedError ends every
+    rank normally instead (see _fail)."""
     world = world or get_world()
     if world.size == 1:
         return
@@ -60,8 +74,7 @@ def install_abort_handlers(world=None, debug=False):
     def excepthook(exc_type, exc, tb):
         if exc_type is SystemExit and not exc.code:
             return
-        _report(world, exc_type, exc, tb, debug)
-        world.abort(1)
+        _fail(world, exc_type, exc, tb, debug)
 
     def thread_hook(args):
         excepthook(args.exc_type, args.exc_value, args.exc_traceback)
@@ -72,7 +85,8 @@ def install_abort_handlers(world=None, debug=False):
 
 def run_guarded(fn, *args, world=None, debug=False, **kwargs):
     """Call fn; under MPI with several ranks an exception, or a non-zero
-    SystemExit, on this rank aborts the job.  Returns fn's result."""
+    SystemExit, on this rank aborts the job; an AgreedError (raised on every
+    rank) exits every rank with status 1 instead.  Returns fn's result."""
     world = world or get_world()
     if world.size == 1:
         return fn(*args, **kwargs)
@@ -87,8 +101,8 @@ def run_guarded(fn, *args, world=None, debug=False, **kwargs):
         sys.stderr.flush()
         world.abort(code)
     except BaseException:
-        _report(world, *sys.exc_info(), debug=debug)
-        world.abort(1)
+        _fail(world, *sys.exc_info(), debug=debug)
+        raise SystemExit(1)
 
 
 # ------------------------------------------------------------------ state sync

@@ -208,6 +208,8 @@ class Reducer:
 
     start_iteration(net)   before the iteration's forward/backward passes
     finish(net)            after the last backward: gradients are averaged
+    diverged_ranks(info)   the ranks whose loss is not finite, agreed by all
+    synchronize_model(net, history)  before tests and snapshots (no-op here)
     mean_scalars(values)   mean over ranks of displayed numbers
     test_share(test_iter)  how many test iterations this rank runs
     combine_test(sums, n)  test scores over all ranks' batches
@@ -357,6 +359,14 @@ class Reducer:
         """True on every rank if flag is true on any rank."""
         return self.world.any(flag) if self.active else bool(flag)
 
+    def diverged_ranks(self, info):
+        """[(rank, info)] of the ranks whose info is not None (their loss is
+        not finite), the same on every rank: one scalar allreduce per
+        iteration; the descriptions are gathered only when some rank has one."""
+        if not self.any(info is not None):
+            return []
+        return [(r, i) for r, i in enumerate(self.world.allgather(info)) if i is not None]
+
     def combine_action(self, action):
         """The signal action all ranks take (SIGINT/SIGHUP reach the ranks at
         different moments): STOP if any rank asks to stop, else SNAPSHOT if
@@ -422,6 +432,9 @@ class Reducer:
     def broadcast_params(self, net, root=0):
         if self.active:
             self.world.bcast_array(net.param_data, root)
+
+    def synchronize_model(self, net, history):
+        """Averaged gradients keep every rank's weights and history equal."""
 
     def check_in_sync(self, net):
         """True when every rank holds the same weights (a debugging aid)."""

@@ -13,7 +13,7 @@ from google.protobuf import text_format
 
 from .. import common
 from ..backend import to_numpy
-from ..common import CaffeError, TEST, TRAIN, log
+from ..common import AgreedError, CaffeError, TEST, TRAIN, log
 from ..io import proto_io
 from ..io.proto_io import ProtoError
 from ..memory import TRAINING_DEFAULT, check_mode
@@ -68,6 +68,17 @@ class LocalReducer:
         After the last pass; returns once ``net.param_diff`` holds the mean
         over ranks of each rank's summed (not yet iter_size-normalized)
         gradient.  Clipping, normalization, decay and the update follow.
+    ``diverged_ranks(info)`` -> list
+        Once per iteration, after ``finish`` and before the update: ``info``
+        is None when this rank's loss is finite, else a JSON-serialisable
+        description of it.  Returns ``[(rank, info)]`` of every rank whose
+        loss is not finite, the same list on every rank, so that all ranks
+        stop at the same iteration.
+    ``synchronize_model(net, history)``
+        Before every test pass and snapshot: make every rank's weights
+        (``net.param_data``) and solver history (the list of flat buffers)
+        the one model the job tests and saves (with gradient averaging they
+        are already equal; with elastic averaging they become the centre).
     ``mean_scalars(values)`` -> list
         Element-wise mean over ranks of a list of floats (display lines).
     ``sum_scalars(values)`` -> list
@@ -97,6 +108,12 @@ class LocalReducer:
         pass
 
     def finish(self, net):
+        pass
+
+    def diverged_ranks(self, info):
+        return [] if info is None else [(0, info)]
+
+    def synchronize_model(self, net, history):
         pass
 
     def mean_scalars(self, values):
@@ -478,12 +495,24 @@ class Solver:
             self._losses[idx] = loss
 
     def _check_finite_loss(self, loss):
+        """Stop every rank at this iteration, before any weight changes, if
+        the loss of any rank is not finite (one small collective)."""
+        mine = None
         if not math.isfinite(loss):
-            layer = self.net.first_nonfinite_layer()
-            where = ("first non-finite output in layer '%s'" % layer) if layer else \
-                "no layer output is non-finite (check the loss weights)"
-            raise CaffeError("Iteration %d: training diverged, loss = %s (%s); stopped without "
-                             "updating the weights or writing a snapshot" % (self.iter, fmt(loss), where))
+            mine = {"loss": fmt(loss), "layer": self.net.first_nonfinite_layer()}
+        bad = self.reducer.diverged_ranks(mine)
+        if not bad:
+            return
+        rank, info = bad[0]
+        where = ("first non-finite output in layer '%s'" % info["layer"]) if info["layer"] else \
+            "no layer output is non-finite (check the loss weights)"
+        if self.reducer.size == 1:
+            raise AgreedError("Iteration %d: training diverged, loss = %s (%s); stopped without "
+                              "updating the weights or writing a snapshot" % (self.iter, info["loss"], where))
+        raise AgreedError("Iteration %d: training diverged on rank%s %s (rank %d: loss = %s, %s); all %d "
+                          "ranks stopped without updating the weights or writing a snapshot"
+                          % (self.iter, "s" if len(bad) > 1 else "", ", ".join(str(r) for r, _ in bad),
+                             rank, info["loss"], where, self.reducer.size))
 
     def _display(self, lapse):
         p, net = self.param, self.net
@@ -541,6 +570,8 @@ class Solver:
                 reducer.before_pass(net, i, i == iter_size - 1)
                 loss += net.forward_backward()
             loss /= iter_size
+            # finish first: no allreduce is left pending if the ranks stop here
+            reducer.finish(net)
             self._check_finite_loss(loss)
             self._update_smoothed_loss(loss)
             if display:
@@ -548,7 +579,6 @@ class Solver:
                 self._display(now - timer)
                 timer = now
                 self._iterations_last = self.iter
-            reducer.finish(net)
             self.apply_update()
             self.iter += 1
             request = self._requested_action()
@@ -598,6 +628,7 @@ class Solver:
         means logged by rank 0.  Returns the mean scores."""
         p = self.param
         self._info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
+        self.reducer.synchronize_model(self.net, self.history)
         test_net = self.test_nets[test_net_id]
         total = p.test_iter[test_net_id]
         n = self.reducer.split_test_iters(total) if iterations is None else int(iterations)
@@ -678,6 +709,7 @@ class Solver:
         """Write <prefix>_iter_<N>.caffemodel (or .caffemodel.h5) and the
         matching .solverstate atomically (rank 0); returns the model path."""
         p = self.param
+        self.reducer.synchronize_model(self.net, self.history)
         self._check_finite_weights()
         extra = self._extra_state()
         if not self.is_root:

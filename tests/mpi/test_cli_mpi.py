@@ -60,6 +60,24 @@ def test_cli_error_on_rank0_aborts_job(tmp_path):
     assert "cannot write to snapshot prefix" in p.stderr
 
 
+@needs_mpi
+@needs_cli
+def test_cli_divergence_stops_every_rank_with_one_error_line(tmp_path):
+    import re
+    s = write_solver(tmp_path, 12, 2, max_iter=50, prefix="div")
+    s.write_text(s.read_text().replace("base_lr: 0.05", "base_lr: 1e30"))
+    p = mpirun(2, CLI + ["train", "--solver=%s" % s], timeout=60, check=False)
+    assert p.returncode != 0
+    errors = [line for line in p.stderr.splitlines() if "error" in line.lower()]
+    assert len(errors) == 1, p.stderr                          # rank 0's line only, no MPI_Abort
+    m = re.match(r"caffempi: error: Iteration (\d+): training diverged on ranks? [\d, ]+ \(rank \d: loss = ",
+                 errors[0])
+    assert m, errors[0]
+    assert "Abort" not in p.stderr
+    snapshots = [int(re.search(r"_iter_(\d+)", f.name).group(1)) for f in tmp_path.glob("div_iter_*")]
+    assert all(i <= int(m.group(1)) for i in snapshots), snapshots
+
+
 @needs_cli
 def test_cli_single_process_without_mpi(tmp_path):
     s = write_solver(tmp_path, 12, 1, max_iter=2, prefix="one")

@@ -63,3 +63,5 @@ def test_single_process_reducer_is_identity():
     assert red.split_test_iters(7) == 7
     assert red.combine_action(1) == 1
     assert red.gather_object({"a": 1}) == [{"a": 1}]
+    assert red.diverged_ranks(None) == []
+    assert red.diverged_ranks({"loss": "nan"}) == [(0, {"loss": "nan"})]

@@ -3,7 +3,10 @@ does under mpiexec: setup_parallel, the solver with our reducer, solve.
 
 usage: solver_worker.py DIR GLOBAL_BATCH MAX_ITER [key=value ...]
 keys: comm, snapshot (interval), resume (solverstate), fail_rank, fail_iter,
-      fail_kind (raise|nan|kill|snapshot), sync, tau, out (npz written by rank 0)
+      fail_kind (raise|nan|kill|snapshot), sync, tau, test_interval, after_train
+      (0: no snapshot_after_train),
+      out (npz written by rank 0), each (npz path with %d: every rank writes its
+      iteration, weights and EASGD centre when it stops, also on an error)
 """
 import os
 import sys
@@ -76,6 +79,7 @@ def main():
             "test_interval": int(kw.get("test_interval", 3)),
             "snapshot": int(kw.get("snapshot", 0)),
             "prefix": os.path.join(d, kw.get("prefix", "snap"))}, p)
+        p.snapshot_after_train = kw.get("after_train", "1") != "0"
         solver = get_solver(p, reducer=reducer)
         fail_rank = int(kw.get("fail_rank", -1))
         fail_iter = int(kw.get("fail_iter", -1))
@@ -90,8 +94,8 @@ def main():
                         raise RuntimeError("injected failure at iteration %d" % solver.iter)
                     if kind == "kill":
                         os.kill(os.getpid(), 9)
-                    if kind == "nan":
-                        return float("nan") + orig()
+                    if kind == "nan":      # poisons ip3's output, hence the loss
+                        net.param_data[-1] = np.nan
                 return orig()
             net.forward_backward = bad
             if kind == "snapshot":
@@ -102,7 +106,13 @@ def main():
                 lambda: SolverAction.STOP if (world.rank == 1 and solver.iter >= stop_at) else SolverAction.NONE)
         if kw.get("resume"):
             solver.restore(kw["resume"])
-        solver.solve()
+        try:
+            solver.solve()
+        finally:
+            if kw.get("each"):
+                averager = getattr(reducer, "averager", None)
+                np.savez(kw["each"] % world.rank, w=solver.net.param_data, iter=solver.iter,
+                         center=averager.center if averager else np.zeros(0))
         if world.rank == 0 and kw.get("out"):
             np.savez(kw["out"], w=solver.net.param_data, iter=solver.iter,
                      test=np.asarray(solver.test_scores[0]))
