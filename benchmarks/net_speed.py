@@ -6,7 +6,16 @@
 unless told otherwise; see caffempi/memory.py).
 
 Each thread count runs in a fresh process (BLAS reads its thread count at
-load).  Prints one table per net and thread count, plus a summary."""
+load).  Prints one table per net and thread count, plus a summary.
+
+The summary also gives each net's GEMM bound: the multiply-adds of its
+convolution and inner-product products (forward, weight gradient, and data
+gradient where backward reaches the bottom) at the rate of a 1024^3 sgemm
+measured in the same process, just before the net is timed.  The host's
+speed drifts by +-20% between runs (other tenants), and the sgemm rate shows
+how fast it was during this one.  (The issue's bounds, 6.6 / 54.5 ms for
+LeNet / CIFAR10-quick, are these FLOP counts at 127.5 GFLOP/s, the AVX2 peak
+of a 4 GHz core, not a measured rate.)"""
 import argparse
 import json
 import os
@@ -21,6 +30,36 @@ NETS = [
 ]
 
 
+def gemm_flops(net):
+    """Floating-point operations of one forward-backward pass's products:
+    2 * (output elements) * (weights per output) per product."""
+    total = 0
+    for i, layer in enumerate(net.layers):
+        kind = layer.type
+        if kind not in ("Convolution", "Deconvolution", "InnerProduct"):
+            continue
+        w = layer.blobs[0]
+        big = net.bottom_vecs[i][0] if kind == "Deconvolution" else net.top_vecs[i][0]
+        per_output = w.count // big.shape[1] if kind != "InnerProduct" else w.count // layer.num_output
+        fwd = 2 * big.count * per_output
+        products = 1 + bool(net.layer_param_need_backward[i][0]) + bool(net.bottom_need_backward[i][0])
+        total += fwd * products
+    return total
+
+
+def sgemm_rate(repeats=5):
+    """FLOP/s of a 1024^3 float32 product, best of a few."""
+    import time
+    import numpy as np
+    a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):
+        t = time.perf_counter()
+        a @ a
+        best = min(best, time.perf_counter() - t)
+    return 2 * 1024 ** 3 / best
+
+
 def measure(model, shape, batch, iterations, memory):
     """Runs in the child: build the net with random input, time it."""
     sys.path.insert(0, str(REPO))
@@ -33,7 +72,11 @@ def measure(model, shape, batch, iterations, memory):
     randomize_inputs(net)
     for _ in range(3):  # warm-up
         net.forward_backward()
-    return time_net(net, iterations, report=lambda *a: None, measure_memory=False)
+    rate = sgemm_rate()
+    r = time_net(net, iterations, report=lambda *a: None, measure_memory=False)
+    r["sgemm_gflops"] = rate / 1e9
+    r["gemm_bound_ms"] = 1e3 * gemm_flops(net) / rate
+    return r
 
 
 def main():
@@ -62,11 +105,13 @@ def main():
             print("  %-14s %10s %10s" % ("layer", "fwd ms", "bwd ms"))
             for layer, f, b in r["layers"]:
                 print("  %-14s %10.3f %10.3f" % (layer, f, b))
-            summary.append((name, batch, threads, r["forward_backward_ms"]))
-    print("\nSummary (forward+backward ms per iteration)")
-    print("  %-14s %6s %8s %10s" % ("net", "batch", "threads", "ms"))
-    for name, batch, threads, ms in summary:
-        print("  %-14s %6d %8d %10.2f" % (name, batch, threads, ms))
+            summary.append((name, batch, threads, r["forward_backward_ms"], r["gemm_bound_ms"],
+                            r["sgemm_gflops"]))
+    print("\nSummary (forward+backward ms per iteration; GEMM bound at this run's sgemm rate)")
+    print("  %-14s %6s %8s %10s %10s %8s %12s" % ("net", "batch", "threads", "ms", "bound ms", "x bound",
+                                              "sgemm GF/s"))
+    for name, batch, threads, ms, bound, rate in summary:
+        print("  %-14s %6d %8d %10.2f %10.2f %8.2f %12.1f" % (name, batch, threads, ms, bound, ms / bound, rate))
 
 
 if __name__ == "__main__":

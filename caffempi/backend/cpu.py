@@ -24,6 +24,7 @@ MAX pooling, maxima and first-argmax by equality over strided tap views (no
 phase copies) was 3-4x slower than the phase-split kernels below: strided
 ufuncs lose vectorisation.
 """
+import functools
 import threading
 
 import numpy as np
@@ -627,9 +628,38 @@ def _ave_scale(geom, h, w, oh, ow, dtype):
     return (1.0 / div).astype(dtype)
 
 
+# AVE pooling with at most this many outputs per plane is one GEMM against
+# the (h*w, oh*ow) averaging matrix (see _ave_matrix).
+_AVE_GEMM_MAX_OUT = 64
+
+
+@functools.lru_cache(maxsize=64)
+def _ave_matrix(geom, h, w, oh, ow, dtype):
+    """The averaging as a matrix: column (oy, ox) holds 1/divisor at the
+    pixels of its (clipped) window.  The GEMM does 2*h*w FLOPs per output,
+    which for small outputs beats the separable strided sums by far
+    (CIFAR10-quick's 3x3/2 AVE pools, 16x16 -> 8x8 and 8x8 -> 4x4, at batch
+    100: forward 2.8 -> 1.5 and 2.3 -> 0.2 ms, backward 4.0 -> 1.2 and
+    3.9 -> 0.2 ms; at 28x28 -> 14x14 it is 2.5x slower).  Read-only."""
+    kh, kw, sh, sw, ph, pw = geom[:6]
+
+    def band(size, k, s, p, n_out):
+        start = np.arange(n_out) * s - p
+        pos = np.arange(size)[:, None]
+        return (pos >= start) & (pos < start + k)
+    m = np.kron(band(h, kh, sh, ph, oh), band(w, kw, sw, pw, ow)).astype(np.float64)
+    m /= np.outer(_ave_divisor(h, kh, sh, ph, oh), _ave_divisor(w, kw, sw, pw, ow)).reshape(-1)
+    m = m.astype(dtype)
+    m.flags.writeable = False
+    return m
+
+
 def ave_pool_forward(x, geom, oh, ow):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
+    if oh * ow <= _AVE_GEMM_MAX_OUT and not _is_global(geom, h, w, oh, ow):
+        m = _ave_matrix(tuple(geom[:6]), h, w, oh, ow, x.dtype.str)
+        return (x.reshape(n * c, h * w) @ m).reshape(n, c, oh, ow)
     scale = _ave_scale(geom, h, w, oh, ow, x.dtype)
     if _is_global(geom, h, w, oh, ow):
         return x.sum(axis=(2, 3), keepdims=True, dtype=x.dtype) * scale
@@ -645,6 +675,9 @@ def ave_pool_backward(dy, geom, x_shape):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x_shape
     oh, ow = dy.shape[2:]
+    if oh * ow <= _AVE_GEMM_MAX_OUT and not _is_global(geom, h, w, oh, ow):
+        m = _ave_matrix(tuple(geom[:6]), h, w, oh, ow, dy.dtype.str)
+        return (dy.reshape(n * c, oh * ow) @ m.T).reshape(x_shape)
     g = dy * _ave_scale(geom, h, w, oh, ow, dy.dtype)
     if _is_global(geom, h, w, oh, ow):
         return np.ascontiguousarray(np.broadcast_to(g, x_shape))

@@ -67,6 +67,9 @@ CASES = [
     ("kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 1 pad_h: 1 pad_w: 0", (2, 2, 5, 5), 3, 2, 2, 1, 1, 0),
     ("kernel_size: 4 stride: 3 pad: 2", (1, 2, 9, 7), 4, 4, 3, 3, 2, 2),
     ("kernel_size: 2 stride: 2 pad: 1", (1, 2, 5, 5), 2, 2, 2, 2, 1, 1),   # clipping rule fires
+    # over 64 outputs per plane: AVE by separable sums instead of the GEMM
+    ("kernel_size: 3 stride: 1 pad: 1", (1, 1, 9, 9), 3, 3, 1, 1, 1, 1),
+    ("kernel_size: 3 stride: 2", (1, 1, 19, 17), 3, 3, 2, 2, 0, 0),
 ]
 
 
