@@ -3,7 +3,8 @@
     python benchmarks/net_speed.py [--iterations 20] [--threads 1,2] [--memory reuse]
 
 ``--memory`` is the activation memory mode (the trainer's default, reuse,
-unless told otherwise; see caffempi/memory.py).
+unless told otherwise; see caffempi/memory.py).  The children get the glibc
+huge-page heap setting that the CLI gives itself (memory.hugepage_heap_env).
 
 Each thread count runs in a fresh process (BLAS reads its thread count at
 load).  Prints one table per net and thread count, plus a summary.
@@ -24,6 +25,8 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from caffempi.memory import hugepage_heap_env  # noqa: E402
 NETS = [
     ("LeNet", "models/mnist/lenet_train_test.prototxt", (1, 28, 28), 64),
     ("CIFAR10-quick", "models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32), 100),
@@ -62,7 +65,6 @@ def sgemm_rate(repeats=5):
 
 def measure(model, shape, batch, iterations, memory):
     """Runs in the child: build the net with random input, time it."""
-    sys.path.insert(0, str(REPO))
     from caffempi import Net, TRAIN
     from caffempi.io import proto_io
     from caffempi.timing import randomize_inputs, substitute_data_layers, time_net
@@ -94,6 +96,7 @@ def main():
     for threads in [int(t) for t in args.threads.split(",")]:
         env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                    MKL_NUM_THREADS=str(threads))
+        env = hugepage_heap_env(env) or env      # the children run as the CLI does
         for name, model, shape, batch in NETS:
             out = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
                                   "--memory", args.memory,

@@ -11,6 +11,7 @@ rank's line, then MPI_Abort; an AgreedError, raised on every rank together:
 rank 0's line, and every rank exits 1); ``--debug`` shows the traceback
 instead.
 """
+import os
 import signal
 import sys
 from collections import OrderedDict
@@ -314,6 +315,8 @@ COMMANDS = OrderedDict([
 
 
 def main(argv=None):
+    if argv is None:
+        _reexec_for_heap_hugepages()
     argv = list(sys.argv[1:] if argv is None else argv)
     debug = any(a.lstrip("-").split("=")[0] == "debug" and a.startswith("-")
                 and a.partition("=")[2].lower() not in ("0", "false", "no")
@@ -347,6 +350,21 @@ def main(argv=None):
             raise
         print("%s%s: error: interrupted" % (_rank_prefix(), PROG), file=sys.stderr)
         return _exit_code(1)
+
+
+def _reexec_for_heap_hugepages():
+    """As a command (not when called with argv from Python), restart once
+    with glibc's huge-page heap setting, which only works from process start
+    (see memory.hugepage_heap_env); under mpirun each rank does it in place
+    (exec keeps the pid and the launcher's connection)."""
+    from .memory import hugepage_heap_env
+    env = hugepage_heap_env(os.environ)
+    if env is None:
+        return
+    try:
+        os.execve(sys.executable, [sys.executable, "-m", "caffempi"] + sys.argv[1:], env)
+    except OSError:
+        pass     # run on without it
 
 
 def _rank_prefix():

@@ -1,5 +1,7 @@
 """Memory modes (caffempi.memory): reuse and recompute give the numbers of
 none, bit for bit, on the zoo nets at batch 1, and need less memory."""
+import sys
+
 import numpy as np
 import pytest
 
@@ -157,3 +159,33 @@ def test_defaults_solver_reuses_python_net_keeps_every_blob(tmp_path):
     solver = get_solver(sp)
     assert solver.net.memory.mode == "reuse"
     assert get_solver(sp, memory="none").net.memory.mode == "none"
+
+
+def test_hugepage_heap_env():
+    from caffempi.memory import hugepage_heap_env
+    env = hugepage_heap_env({"PATH": "/bin"})
+    if not sys.platform.startswith("linux"):
+        assert env is None
+        return
+    assert env == {"PATH": "/bin", "GLIBC_TUNABLES": "glibc.malloc.hugetlb=1"}
+    # appended to other tunables; set once (no re-exec loop); opt-out
+    assert hugepage_heap_env({"GLIBC_TUNABLES": "glibc.malloc.arena_max=2"})["GLIBC_TUNABLES"] == \
+        "glibc.malloc.arena_max=2:glibc.malloc.hugetlb=1"
+    assert hugepage_heap_env(env) is None
+    assert hugepage_heap_env({"GLIBC_TUNABLES": "glibc.malloc.hugetlb=0"}) is None
+    assert hugepage_heap_env({"CAFFEMPI_MALLOC_TUNE": "0"}) is None
+
+
+def test_cli_reexecs_as_a_command_only(monkeypatch):
+    import caffempi.cli as cli
+    calls = []
+    monkeypatch.setattr(cli.os, "execve", lambda path, args, env: calls.append((path, args, env)))
+    monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
+    monkeypatch.delenv("CAFFEMPI_MALLOC_TUNE", raising=False)
+    monkeypatch.setattr(sys, "argv", ["caffempi", "--help"])
+    assert cli.main(["--help"]) == 0             # called from Python with argv: no exec
+    assert calls == []
+    assert cli.main() == 0                        # as the command: exec (stubbed here), then runs on
+    if sys.platform.startswith("linux"):
+        assert calls == [(sys.executable, [sys.executable, "-m", "caffempi", "--help"], calls[0][2])]
+        assert "glibc.malloc.hugetlb=1" in calls[0][2]["GLIBC_TUNABLES"]
