@@ -169,7 +169,8 @@ def _env():
     e["OPENBLAS_NUM_THREADS"] = e["OMP_NUM_THREADS"] = e["MKL_NUM_THREADS"] = "1"
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
     e.pop("CAFFEMPI_MPI", None)
-    return e
+    from caffempi.memory import hugepage_heap_env
+    return hugepage_heap_env(e) or e       # as the CLI runs
 
 
 def _mpiexec():
