@@ -657,12 +657,10 @@ def _ave_matrix(geom, h, w, oh, ow, dtype):
 def ave_pool_forward(x, geom, oh, ow):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
-    if oh * ow <= _AVE_GEMM_MAX_OUT and not _is_global(geom, h, w, oh, ow):
+    if oh * ow <= _AVE_GEMM_MAX_OUT:      # global pooling included (one output)
         m = _ave_matrix(tuple(geom[:6]), h, w, oh, ow, x.dtype.str)
         return (x.reshape(n * c, h * w) @ m).reshape(n, c, oh, ow)
     scale = _ave_scale(geom, h, w, oh, ow, x.dtype)
-    if _is_global(geom, h, w, oh, ow):
-        return x.sum(axis=(2, 3), keepdims=True, dtype=x.dtype) * scale
     # separable window sums (zero padding), as for MAX
     phases, hp = _padded_width_phases(x, geom, oh, ow, 0)
     row = _window_sum(phases, kw, sw, ow).reshape(n * c, hp, ow)
@@ -675,12 +673,10 @@ def ave_pool_backward(dy, geom, x_shape):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x_shape
     oh, ow = dy.shape[2:]
-    if oh * ow <= _AVE_GEMM_MAX_OUT and not _is_global(geom, h, w, oh, ow):
+    if oh * ow <= _AVE_GEMM_MAX_OUT:      # global pooling included (one output)
         m = _ave_matrix(tuple(geom[:6]), h, w, oh, ow, dy.dtype.str)
         return (dy.reshape(n * c, oh * ow) @ m.T).reshape(x_shape)
     g = dy * _ave_scale(geom, h, w, oh, ow, dy.dtype)
-    if _is_global(geom, h, w, oh, ow):
-        return np.ascontiguousarray(np.broadcast_to(g, x_shape))
     hp = max(h + 2 * ph, (oh - 1) * sh + kh)
     wp = max(w + 2 * pw, (ow - 1) * sw + kw)
     # transpose of the separable sums: spread over rows, then over columns
