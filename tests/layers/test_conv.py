@@ -140,12 +140,21 @@ def test_two_bottoms_share_weights():
     check_gradient(conv_text("num_output: 3 kernel_size: 3"), [x1, x2], num_top=2)
 
 
+@pytest.fixture(params=["per_image", "long"])
+def dw_path(request, monkeypatch):
+    """Runs a test with either way of summing the weight gradient
+    (cpu._PER_IMAGE_DW_MAX_TAPS picks by the kernel taps per group)."""
+    from caffempi.backend import cpu
+    monkeypatch.setattr(cpu, "_PER_IMAGE_DW_MAX_TAPS", 1 << 30 if request.param == "per_image" else 0)
+    return request.param
+
+
 @pytest.mark.parametrize("text", [
     "num_output: 6 kernel_size: 3 pad: 1 group: 2",      # dx as a flipped convolution
     "num_output: 6 kernel_size: 3 group: 2",             # dx by GEMM + col2im (wide rows)
     "num_output: 6 kernel_size: 3 stride: 2 group: 2",   # dx by GEMM + strided col2im
 ])
-def test_large_batch_uses_chunks_consistently(text):
+def test_large_batch_uses_chunks_consistently(text, dw_path):
     # a batch big enough to be cut into several im2col chunks
     from caffempi.backend import cpu
     x = rand(64, 8, 12, 12)
@@ -176,9 +185,10 @@ def test_large_batch_uses_chunks_consistently(text):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_weight_gradient_with_4k_rows(dtype):
+def test_weight_gradient_with_4k_rows(dtype, dw_path):
     # output planes of exactly 4 KiB take the padded-copy path for dy's
-    # transpose (cpu._unaliased); dw must equal the plain correlation sum
+    # transpose (cpu._unaliased) in the long product; dw must equal the plain
+    # correlation sum
     from caffempi.backend import cpu
     h = 32 if dtype == np.float32 else 16      # 32x32 float32 or 16x32 float64 rows
     x = rand(3, 2, h, 32).astype(dtype)
