@@ -35,9 +35,9 @@ from numpy.lib.stride_tricks import as_strided
 # ~55 on whole-batch ones; 0.5-4 MB measured about the same end to end.
 _COL_CHUNK_BYTES = int(1.5 * (1 << 20))
 
-# Weight gradients of convolutions with at most this many kernel taps per
-# group (C/group*kh*kw) are summed from per-image products (conv2d_backward).
-_PER_IMAGE_DW_MAX_TAPS = 64
+# Convolutions with vertical stride 1 and at least this many rows in a row
+# tap's product (C/group*kw) run as row-tap products (see _conv_row_taps).
+_ROW_TAP_MIN_K = 8
 
 _tls = threading.local()
 
@@ -80,6 +80,17 @@ def _is_pointwise(geom):
     return kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
 
 
+def _unfold_width(xpad, geom, ow, out):
+    """The padded batch (N, C, Hp, Wp) unfolded along the kernel width into
+    ``out`` (kw times its size): u[n, c, j, h, x] = xpad[n, c, h, x*sw + j*dw]."""
+    kh, kw, sh, sw, _, _, dh, dw = geom
+    n, c, hp, _ = xpad.shape
+    s_n, s_c, s_h, s_w = xpad.strides
+    u = out.reshape(n, c, kw, hp, ow)
+    np.copyto(u, as_strided(xpad, (n, c, kw, hp, ow), (s_n, s_c, dw * s_w, s_h, sw * s_w), writeable=False))
+    return u
+
+
 def im2col(xpad, geom, oh, ow, out=None):
     """Column matrix of a padded batch ``xpad`` (N, C, Hp, Wp): returns
     (C*kh*kw, N*oh*ow), rows ordered (c, i, j) as Caffe's weight layout,
@@ -99,9 +110,7 @@ def im2col(xpad, geom, oh, ow, out=None):
     else:
         out = out.reshape(c, kh, kw, n, oh * ow)
     if sh == 1:
-        u = _work("unfold", n * c * kw * hp * ow, xpad.dtype).reshape(n, c, kw, hp, ow)
-        np.copyto(u, as_strided(xpad, (n, c, kw, hp, ow), (s_n, s_c, dw * s_w, s_h, sw * s_w),
-                                writeable=False))
+        u = _unfold_width(xpad, geom, ow, _work("unfold", n * c * kw * hp * ow, xpad.dtype))
         u_n, u_c, u_j, u_h, u_x = u.strides
         view = as_strided(u, (c, kh, kw, n, oh * ow), (u_c, dh * u_h, u_j, u_n, u_x), writeable=False)
         np.copyto(out, view)
@@ -146,6 +155,9 @@ def conv2d_forward(x, w, geom, group, bias=None):
         return y
     y = np.empty((n, o, oh, ow), x.dtype)
     xpad = _pad(x, ph, pw)
+    if sh == 1 and (c // g) * kw >= _ROW_TAP_MIN_K:
+        _conv_row_taps(xpad, w, geom, g, oh, ow, y, bias)
+        return y
     p = oh * ow
     k = c * kh * kw
     nb = _chunk(n, k * p * x.itemsize)
@@ -161,6 +173,84 @@ def conv2d_forward(x, w, geom, group, bias=None):
         else:
             np.add(r, bias.reshape(o, 1, 1), out=y[a:a + m])
     return y
+
+
+def _row_tap_weights(w, group):
+    """(kh, g, O/g, C/g*kw): the weights of kernel row i as one matrix per
+    group, columns ordered (c, j) as the rows of :func:`_unfold_width`."""
+    o, cg, kh, kw = w.shape
+    wr = w.reshape(group, o // group, cg, kh, kw).transpose(3, 0, 1, 2, 4)
+    return np.ascontiguousarray(wr).reshape(kh, group, o // group, cg * kw)
+
+
+def _conv_row_taps(xpad, w, geom, group, oh, ow, y, bias):
+    """The convolution as kh products per image, one per kernel row (vertical
+    stride 1): with the input unfolded along the kernel width only, u (C*kw,
+    Hp*ow) per image, output row y of kernel row i reads unfolded row y +
+    i*dh, so kernel row i's part of all outputs is W_i (O, C*kw) @ the
+    contiguous column range of u from i*dh*ow, oh*ow long.  The products
+    land in NCHW order (no reorder) and u is kw, not kh*kw, times the input.
+    In chunks of images whose u stays in cache, at 1 BLAS thread: LeNet conv2
+    3.1 -> 2.4 ms per batch, CIFAR10-quick conv1/conv2/conv3 12.1 -> 9.0,
+    22.0 -> 18.2, 9.4 -> 8.0 ms.  With few rows per product (C*kw of LeNet's
+    conv1 is 5) the GEMMs starve and the full column matrix wins (0.96 vs
+    1.04 ms), hence _ROW_TAP_MIN_K."""
+    kh, kw, _, _, _, _, dh, _ = geom
+    n, c, hp, _ = xpad.shape
+    o = w.shape[0]
+    g, og, kg = group, o // group, (c // group) * kw
+    p = oh * ow
+    wt = _row_tap_weights(w, g)
+    nb = _chunk(n, c * kw * hp * ow * xpad.itemsize)
+    ubuf = _work("unfold", nb * c * kw * hp * ow, xpad.dtype)
+    tbuf = _work("gemm", nb * o * p, xpad.dtype)
+    yr = y.reshape(n, g, og, p)
+    for a in range(0, n, nb):
+        m = min(nb, n - a)
+        u = _unfold_width(xpad[a:a + m], geom, ow, ubuf[:m * c * kw * hp * ow]).reshape(m, g, kg, hp * ow)
+        ya = yr[a:a + m]
+        t = tbuf[:m * o * p].reshape(m, g, og, p)
+        for i in range(kh):
+            np.matmul(wt[i], u[..., i * dh * ow:i * dh * ow + p], out=t if i else ya)
+            if i:
+                ya += t
+        if bias is not None:
+            ya += bias.reshape(g, og, 1)
+
+
+def _dw_by_row_taps(geom, cg, og, p):
+    """Whether :func:`_conv_dw_row_taps` computes the weight gradient: the
+    per-image partials (O/g, C/g*kw) it sums are no larger than an output
+    plane (p), and vertical stride 1."""
+    kw, sh = geom[1], geom[2]
+    return sh == 1 and og * cg * kw <= p
+
+
+def _conv_dw_row_taps(xpad, dy, geom, group, oh, ow):
+    """Weight gradient by kernel rows (see :func:`_conv_row_taps`): for row
+    i, the sum over images of dy (O/g, oh*ow) @ u_i.T, u_i the column range
+    of the unfolded input that row i reads.  Skips the full column matrix
+    and the transposed copy of dy; only worth it while the per-image
+    partials are small (CIFAR10-quick conv1: 9.2 -> 6.2 ms per batch; LeNet
+    conv1 1.15 -> 0.58; LeNet conv2, whose partials are 78x an output plane:
+    3.2 -> 3.9)."""
+    kh, kw, _, _, _, _, dh, _ = geom
+    n, c, hp, _ = xpad.shape
+    o = dy.shape[1]
+    g, og, cg = group, o // group, c // group
+    p = oh * ow
+    nb = _chunk(n, c * kw * hp * ow * xpad.itemsize)
+    ubuf = _work("unfold", nb * c * kw * hp * ow, xpad.dtype)
+    gt = np.zeros((kh, g, og, cg * kw), dy.dtype)
+    dyr = dy.reshape(n, g, og, p)
+    for a in range(0, n, nb):
+        m = min(nb, n - a)
+        u = _unfold_width(xpad[a:a + m], geom, ow, ubuf[:m * c * kw * hp * ow]).reshape(m, g, cg * kw, hp * ow)
+        for i in range(kh):
+            ui = u[..., i * dh * ow:i * dh * ow + p]
+            gt[i] += np.matmul(dyr[a:a + m], ui.transpose(0, 1, 3, 2)).sum(0)
+    gw = gt.reshape(kh, g, og, cg, kw).transpose(1, 2, 3, 0, 4)
+    return np.ascontiguousarray(gw).reshape(o, cg, kh, kw)
 
 
 def _unaliased(a):
@@ -227,21 +317,18 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
     col_dx = need_dx and not dx_as_conv
     if not need_dw and not col_dx:
         return gx, gw
+    if need_dw and _dw_by_row_taps(geom, cg, og, p):
+        gw = _conv_dw_row_taps(_pad(x, ph, pw), dy, geom, g, oh, ow)
+        need_dw = False
+        if not col_dx:
+            return gx, gw
     nb = _chunk(n, k * p * dtype.itemsize)
-    # With few kernel taps per group, dw is one small product per image,
-    # dy (og, p) @ col.T (p, k/g), summed over the images: no transposed
-    # copy of dy, and OpenBLAS runs these faster than the one long product
-    # (LeNet conv1, k = 25: 1.15 -> 0.63 ms per batch; 3x3 on 3 channels
-    # into 64, k = 27: 6.4 -> 5.7).  With more taps the long product wins
-    # (CIFAR10-quick conv1, k = 75: 9.3 ms, 12.5 per image; LeNet conv2,
-    # k = 500: 3.2 ms, 4.2 per image).
-    per_image_dw = need_dw and k // g <= _PER_IMAGE_DW_MAX_TAPS
     if need_dw:
         xpad = _pad(x, ph, pw)
         buf = _work("col", k * nb * p, dtype)
-        # the long product gives dw transposed, (k, o): OpenBLAS runs this
-        # orientation (long reduction, small N) much faster than dy @ col.T
-        gwt = np.zeros((g, og, k // g) if per_image_dw else (g, k // g, og), dtype)
+        # dw transposed, (k, o): OpenBLAS runs this orientation (long
+        # reduction, small N) much faster than dy @ col.T
+        gwt = np.zeros((g, k // g, og), dtype)
     if col_dx:
         wt = wg.transpose(0, 2, 1)
         dbuf = _work("dcol", k * nb * p, dtype)
@@ -256,15 +343,12 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
     tbuf = _work("dyt", o * nb * p, dtype)
     for a in range(0, n, nb):
         m = min(nb, n - a)
-        if (need_dw and not per_image_dw) or (col_dx and not (sh == 1 and sw == 1)):
+        if need_dw or (col_dx and not (sh == 1 and sw == 1)):
             # dy of the chunk as (g, m*p, o/g), matching the columns' order
             dyt = tbuf[:o * m * p].reshape(g, m, p, og)
             np.copyto(dyt, _unaliased(dy[a:a + m].reshape(m, g, og, p)).transpose(1, 0, 3, 2))
             dyt = dyt.reshape(g, m * p, og)
-        if per_image_dw:
-            col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p]).reshape(g, k // g, m, p)
-            gwt += np.matmul(dy[a:a + m].reshape(m, g, og, p), col.transpose(2, 0, 3, 1)).sum(0)
-        elif need_dw:
+        if need_dw:
             col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p]).reshape(g, k // g, m * p)
             gwt += np.matmul(col, dyt)
         if col_dx and sh == 1 and sw == 1:
@@ -288,9 +372,7 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
         elif col_dx:
             dcol = np.matmul(wt, dyt.transpose(0, 2, 1), out=dbuf[:k * m * p].reshape(g, k // g, m * p))
             col2im(dcol, geom, oh, ow, gxpad[a:a + m])
-    if per_image_dw:
-        gw = gwt.reshape(w.shape)
-    elif need_dw:
+    if need_dw:
         gw = np.ascontiguousarray(gwt.transpose(0, 2, 1)).reshape(w.shape)
     if col_dx and not (sh == 1 and sw == 1):
         gx = gxpad[:, :, ph:ph + h, pw:pw + wd] if (ph or pw) else gxpad

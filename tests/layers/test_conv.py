@@ -88,8 +88,21 @@ CASES = [
 ]
 
 
+@pytest.fixture(params=["row_taps", "columns"])
+def conv_path(request, monkeypatch):
+    """Runs a test with convolution forward and weight gradient either as
+    products per kernel row (where the stride allows) or through the full
+    column matrix; the kernels pick by shape (cpu._ROW_TAP_MIN_K,
+    cpu._dw_by_row_taps) and a test's tiny shapes would see only one."""
+    from caffempi.backend import cpu
+    row_taps = request.param == "row_taps"
+    monkeypatch.setattr(cpu, "_ROW_TAP_MIN_K", 1 if row_taps else 1 << 30)
+    monkeypatch.setattr(cpu, "_dw_by_row_taps", lambda geom, cg, og, p: row_taps and geom[2] == 1)
+    return request.param
+
+
 @pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
-def test_conv_forward_matches_loops(text, stride, pad, dil, group, bias):
+def test_conv_forward_matches_loops(text, stride, pad, dil, group, bias, conv_path):
     x = rand(2, 4, 7, 6)
     layer, _, top = run_layer(conv_text(text), [x])
     w = layer.blobs[0].data
@@ -100,7 +113,7 @@ def test_conv_forward_matches_loops(text, stride, pad, dil, group, bias):
 
 
 @pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
-def test_deconv_forward_matches_loops(text, stride, pad, dil, group, bias):
+def test_deconv_forward_matches_loops(text, stride, pad, dil, group, bias, conv_path):
     x = rand(2, 4, 4, 5)
     layer, _, top = run_layer(conv_text(text, "Deconvolution"), [x])
     w = layer.blobs[0].data
@@ -111,12 +124,12 @@ def test_deconv_forward_matches_loops(text, stride, pad, dil, group, bias):
 
 
 @pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
-def test_conv_gradient(text, stride, pad, dil, group, bias):
+def test_conv_gradient(text, stride, pad, dil, group, bias, conv_path):
     check_gradient(conv_text(text), [rand(2, 4, 5, 4)])
 
 
 @pytest.mark.parametrize("text,stride,pad,dil,group,bias", CASES)
-def test_deconv_gradient(text, stride, pad, dil, group, bias):
+def test_deconv_gradient(text, stride, pad, dil, group, bias, conv_path):
     check_gradient(conv_text(text, "Deconvolution"), [rand(2, 4, 3, 3)])
 
 
@@ -140,21 +153,12 @@ def test_two_bottoms_share_weights():
     check_gradient(conv_text("num_output: 3 kernel_size: 3"), [x1, x2], num_top=2)
 
 
-@pytest.fixture(params=["per_image", "long"])
-def dw_path(request, monkeypatch):
-    """Runs a test with either way of summing the weight gradient
-    (cpu._PER_IMAGE_DW_MAX_TAPS picks by the kernel taps per group)."""
-    from caffempi.backend import cpu
-    monkeypatch.setattr(cpu, "_PER_IMAGE_DW_MAX_TAPS", 1 << 30 if request.param == "per_image" else 0)
-    return request.param
-
-
 @pytest.mark.parametrize("text", [
     "num_output: 6 kernel_size: 3 pad: 1 group: 2",      # dx as a flipped convolution
     "num_output: 6 kernel_size: 3 group: 2",             # dx by GEMM + col2im (wide rows)
     "num_output: 6 kernel_size: 3 stride: 2 group: 2",   # dx by GEMM + strided col2im
 ])
-def test_large_batch_uses_chunks_consistently(text, dw_path):
+def test_large_batch_uses_chunks_consistently(text, conv_path):
     # a batch big enough to be cut into several im2col chunks
     from caffempi.backend import cpu
     x = rand(64, 8, 12, 12)
@@ -185,9 +189,9 @@ def test_large_batch_uses_chunks_consistently(text, dw_path):
 
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_weight_gradient_with_4k_rows(dtype, dw_path):
+def test_weight_gradient_with_4k_rows(dtype, conv_path):
     # output planes of exactly 4 KiB take the padded-copy path for dy's
-    # transpose (cpu._unaliased) in the long product; dw must equal the plain
+    # transpose (cpu._unaliased) in the column path; dw must equal the plain
     # correlation sum
     from caffempi.backend import cpu
     h = 32 if dtype == np.float32 else 16      # 32x32 float32 or 16x32 float64 rows
