@@ -88,16 +88,18 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["row_taps", "columns"])
+@pytest.fixture(params=["row_taps_per_image", "row_taps_batch", "columns"])
 def conv_path(request, monkeypatch):
     """Runs a test with convolution forward and weight gradient either as
-    products per kernel row (where the stride allows) or through the full
-    column matrix; the kernels pick by shape (cpu._ROW_TAP_MIN_K,
-    cpu._dw_by_row_taps) and a test's tiny shapes would see only one."""
+    products per kernel row (where the stride allows; the weight gradient
+    with per-image partials or one batch product) or through the full column
+    matrix.  The kernels pick by shape and a test's tiny shapes would see
+    only one."""
     from caffempi.backend import cpu
-    row_taps = request.param == "row_taps"
-    monkeypatch.setattr(cpu, "_ROW_TAP_MIN_K", 1 if row_taps else 1 << 30)
-    monkeypatch.setattr(cpu, "_dw_by_row_taps", lambda geom, cg, og, p: row_taps and geom[2] == 1)
+    row_taps = request.param != "columns"
+    monkeypatch.setattr(cpu, "_forward_by_row_taps", lambda geom, cg: row_taps and geom[2] == 1)
+    monkeypatch.setattr(cpu, "_dw_by_row_taps", lambda geom: row_taps and geom[2] == 1)
+    monkeypatch.setattr(cpu, "_dw_per_image", lambda geom, cg, og, p: request.param == "row_taps_per_image")
     return request.param
 
 
