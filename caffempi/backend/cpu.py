@@ -3,26 +3,30 @@
 All image arrays are NCHW.  ``geom`` is the 2-D window geometry
 ``(kh, kw, sh, sw, ph, pw, dh, dw)``: kernel, stride, pad and dilation.
 
-Convolution is im2col + GEMM.  The column matrix of a batch is built by one
-strided copy (``as_strided`` over the padded input, no loop over images or
-pixels).  A whole batch's column matrix can be hundreds of MB, which makes the
-GEMM and the copies run from main memory, so a batch is cut into a few chunks
-of images whose column matrix fits in cache (``_COL_CHUNK_BYTES``); each chunk
-is one im2col and one GEMM per group (all groups in one batched matmul).
-Scratch buffers persist between calls (see :func:`_work`).  The column
-matrix is built in two copies (unfold along the kernel width, then long
-contiguous runs; see :func:`im2col`), which cut im2col by 40-45%.
+Convolution is GEMM over unfolded input, in chunks of images whose unfolded
+input fits in cache (``_COL_CHUNK_BYTES``; a whole batch's can be hundreds
+of MB, which makes the GEMMs and copies run from main memory), all groups of
+a chunk in one batched matmul.  With vertical stride 1 (nearly every conv)
+the input is unfolded along the kernel width only, kw times its size, and
+the product is split by kernel row: row i's part reads a contiguous column
+range of that unfolding (:func:`_conv_row_taps`, :func:`_conv_dw_row_taps`).
+That replaced the full im2col (kh*kw times the input) and cut the forward
+and weight gradient of LeNet's conv2 and CIFAR10-quick's convs by 15-30%.
+The full column matrix (:func:`im2col`, by strided copies with no loop over
+images or pixels) remains for vertical strides > 1, few input rows per
+product (LeNet's one-channel conv1), and the data gradient's GEMM +
+col2im.  Scratch buffers persist between calls (see :func:`_work`).
 
-Tried and not kept (1 BLAS thread, CIFAR10-quick / LeNet shapes): a partial
-im2col (unfold along kw only, then kh GEMMs over row-shifted views summed
-into the output) wins on small images (LeNet conv2, CIFAR conv3) but loses on
-CIFAR conv2/conv1 (per-image GEMMs with K = C*kw run slower, plus the adds);
-"wide" column matrices spanning the padded width (contiguous im2col rows)
-waste 25-50% GEMM columns, more than the copy they save; per-image batched
-matmul writing NCHW directly (the reorder it saves is only ~0.2 ms).  For
-MAX pooling, maxima and first-argmax by equality over strided tap views (no
-phase copies) was 3-4x slower than the phase-split kernels below: strided
-ufuncs lose vectorisation.
+Tried and not kept (1 BLAS thread, CIFAR10-quick / LeNet shapes): the
+kernel-row split without chunks of images (its operands then run from
+memory: CIFAR conv2/conv1 lost 4-12%); the data gradient by kernel rows
+(LeNet conv2 3.8 -> 4.2 ms, CIFAR conv2 22 -> 32); images innermost for
+one-channel inputs (LeNet conv1 dW 0.6 -> 1.95 ms); "wide" column matrices
+spanning the padded width (contiguous im2col rows) waste 25-50% GEMM
+columns, more than the copy they save.  For MAX pooling, maxima and
+first-argmax by equality over strided tap views (no phase copies) was 3-4x
+slower than the phase-split kernels below: strided ufuncs lose
+vectorisation.
 """
 import functools
 import threading
