@@ -108,13 +108,14 @@ def main():
             print("  %-14s %10s %10s" % ("layer", "fwd ms", "bwd ms"))
             for layer, f, b in r["layers"]:
                 print("  %-14s %10.3f %10.3f" % (layer, f, b))
-            summary.append((name, batch, threads, r["forward_backward_ms"], r["gemm_bound_ms"],
-                            r["sgemm_gflops"]))
-    print("\nSummary (forward+backward ms per iteration; GEMM bound at this run's sgemm rate)")
-    print("  %-14s %6s %8s %10s %10s %8s %12s" % ("net", "batch", "threads", "ms", "bound ms", "x bound",
-                                              "sgemm GF/s"))
-    for name, batch, threads, ms, bound, rate in summary:
-        print("  %-14s %6d %8d %10.2f %10.2f %8.2f %12.1f" % (name, batch, threads, ms, bound, ms / bound, rate))
+            summary.append((name, batch, threads, r["forward_backward_ms"], r["median_forward_backward_ms"],
+                            r["gemm_bound_ms"], r["sgemm_gflops"]))
+    print("\nSummary (forward+backward ms per iteration, mean and median; GEMM bound at this run's sgemm rate)")
+    print("  %-14s %6s %8s %10s %10s %10s %8s %12s" % ("net", "batch", "threads", "ms", "median ms", "bound ms",
+                                                   "x bound", "sgemm GF/s"))
+    for name, batch, threads, ms, median, bound, rate in summary:
+        print("  %-14s %6d %8d %10.2f %10.2f %10.2f %8.2f %12.1f" % (name, batch, threads, ms, median, bound,
+                                                                 ms / bound, rate))
 
 
 if __name__ == "__main__":

@@ -87,6 +87,8 @@ def test_every_zoo_net_runs_forward_backward(zoo):
                 lines = []
                 result = time_net(net, 1, report=lambda *a: lines.append(a[0] % a[1:]))
                 assert len(result["layers"]) == len(net.layers)
+                # one step: its median is that step, which spans both passes
+                assert result["median_forward_backward_ms"] >= result["forward_backward_ms"] > 0
                 assert any(l.startswith("Average Forward-Backward") for l in lines)
             ran.append((path.name, phase))
     assert len(ran) >= 2 * 26
