@@ -191,6 +191,21 @@ def _dw_by_row_taps(geom):
     return geom[2] == 1
 
 
+def _unfolded_chunks(xpad, geom, ow, group):
+    """(a, m, u) for each chunk of m images from image a whose unfolding
+    (:func:`_unfold_width`) fits in cache: u (m, g, C/g*kw, Hp*ow), in a
+    scratch buffer that the next chunk overwrites."""
+    kw = geom[1]
+    n, c, hp, _ = xpad.shape
+    per_image = c * kw * hp * ow
+    nb = _chunk(n, per_image * xpad.itemsize)
+    ubuf = _work("unfold", nb * per_image, xpad.dtype)
+    for a in range(0, n, nb):
+        m = min(nb, n - a)
+        u = _unfold_width(xpad[a:a + m], geom, ow, ubuf[:m * per_image])
+        yield a, m, u.reshape(m, group, (c // group) * kw, hp * ow)
+
+
 def _row_tap_weights(w, group):
     """(kh, g, O/g, C/g*kw): the weights of kernel row i as one matrix per
     group, columns ordered (c, j) as the rows of :func:`_unfold_width`."""
@@ -211,21 +226,16 @@ def _conv_row_taps(xpad, w, geom, group, oh, ow, y, bias):
     22.0 -> 18.2, 9.4 -> 8.0 ms.  With few rows per product (C*kw of LeNet's
     conv1 is 5) the GEMMs starve and the full column matrix wins (0.96 vs
     1.04 ms), hence _ROW_TAP_MIN_K."""
-    kh, kw, _, _, _, _, dh, _ = geom
-    n, c, hp, _ = xpad.shape
+    kh, dh = geom[0], geom[6]
+    n = xpad.shape[0]
     o = w.shape[0]
-    g, og, kg = group, o // group, (c // group) * kw
+    g, og = group, o // group
     p = oh * ow
     wt = _row_tap_weights(w, g)
-    nb = _chunk(n, c * kw * hp * ow * xpad.itemsize)
-    ubuf = _work("unfold", nb * c * kw * hp * ow, xpad.dtype)
-    tbuf = _work("gemm", nb * o * p, xpad.dtype)
     yr = y.reshape(n, g, og, p)
-    for a in range(0, n, nb):
-        m = min(nb, n - a)
-        u = _unfold_width(xpad[a:a + m], geom, ow, ubuf[:m * c * kw * hp * ow]).reshape(m, g, kg, hp * ow)
+    for a, m, u in _unfolded_chunks(xpad, geom, ow, g):
         ya = yr[a:a + m]
-        t = tbuf[:m * o * p].reshape(m, g, og, p)
+        t = _work("gemm", m * o * p, xpad.dtype).reshape(m, g, og, p)
         for i in range(kh):
             np.matmul(wt[i], u[..., i * dh * ow:i * dh * ow + p], out=t if i else ya)
             if i:
@@ -262,15 +272,10 @@ def _conv_dw_row_taps(x, dy, geom, group, oh, ow):
     g, og, cg = group, o // group, c // group
     p = oh * ow
     hp, wp = h + 2 * ph, wd + 2 * pw
-    nb = _chunk(n, c * kw * hp * ow * x.itemsize)
     if _dw_per_image(geom, cg, og, p):
-        xpad = _pad(x, ph, pw)
-        ubuf = _work("unfold", nb * c * kw * hp * ow, x.dtype)
         gt = np.zeros((kh, g, og, cg * kw), dy.dtype)
         dyr = dy.reshape(n, g, og, p)
-        for a in range(0, n, nb):
-            m = min(nb, n - a)
-            u = _unfold_width(xpad[a:a + m], geom, ow, ubuf[:m * c * kw * hp * ow]).reshape(m, g, cg * kw, hp * ow)
+        for a, m, u in _unfolded_chunks(_pad(x, ph, pw), geom, ow, g):
             for i in range(kh):
                 ui = u[..., i * dh * ow:i * dh * ow + p]
                 gt[i] += np.matmul(dyr[a:a + m], ui.transpose(0, 1, 3, 2)).sum(0)
@@ -278,6 +283,7 @@ def _conv_dw_row_taps(x, dy, geom, group, oh, ow):
         return np.ascontiguousarray(gw).reshape(o, cg, kh, kw)
     gt = np.zeros((kh, g, cg * kw, og), dy.dtype)
     span = sw * (ow - 1) + 1
+    nb = _chunk(n, c * kw * hp * ow * x.itemsize)
     for a in range(0, n, nb):
         m = min(nb, n - a)
         xt = _work("dw_xt", c * hp * wp * m, x.dtype).reshape(c, hp, wp, m)
