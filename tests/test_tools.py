@@ -11,7 +11,7 @@ import pytest
 
 from caffempi.data import lmdb_io
 from caffempi.data.datum import datum_to_array, parse_datum
-from caffempi.tools import make_demo_data, parse_log, plot_training_log
+from caffempi.tools import make_demo_data, parse_log, plot_training_log, scaling_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -94,3 +94,42 @@ def test_make_demo_data(tmp_path):
     assert img.dtype == np.uint8 and img.max() > 200
     labels = [parse_datum(v).label for _, v in te]
     assert len(set(labels)) == 10
+
+
+def _profile():
+    layers = [{"name": "conv", "index": 0, "backward_ms": 6.0, "params": 100000},
+              {"name": "pool", "index": 1, "backward_ms": 1.0, "params": 0},
+              {"name": "ip", "index": 2, "backward_ms": 2.0, "params": 400000}]
+    return {"forward_ms": 5.0, "compute_ms": 15.0, "layers": layers}
+
+
+def test_scaling_model_blocking_and_overlap():
+    alpha, beta = 5e-6, 1e-9
+    prof = _profile()
+    one = scaling_model.single_step(prof)
+    assert one == pytest.approx(15e-3)
+    total = 500000 * 4
+    for n in (2, 8, 64):
+        ring = 2 * (n - 1) * alpha + 2.0 * (n - 1) / n * total * beta
+        step, exposed = scaling_model.predict(prof, n, alpha, beta, "blocking")
+        assert exposed == pytest.approx(ring) and step == pytest.approx(one + ring)
+        # one 1.6 MB bucket (ip) ready 2 ms into backward, the conv bucket at its end
+        step_o, exposed_o = scaling_model.predict(prof, n, alpha, beta, "overlap", 4.0, 1.0)
+        t_ip = scaling_model.ring_time(400000 * 4, n, alpha, beta)
+        t_conv = scaling_model.ring_time(100000 * 4, n, alpha, beta)
+        assert exposed_o == pytest.approx(max(2e-3 + t_ip, 9e-3) + t_conv - 9e-3)
+        assert exposed_o < exposed
+
+
+def test_scaling_model_straggler_term():
+    e = scaling_model.expected_max_normal
+    assert e(1) == 0.0
+    assert e(2) == pytest.approx(1 / np.sqrt(np.pi), abs=1e-6)
+    sample = np.random.default_rng(0).standard_normal((200000, 16)).max(1).mean()
+    assert e(16) == pytest.approx(sample, abs=0.01)
+    assert e(2) < e(16) < e(1024) < 3.5
+    assert scaling_model.jitter_from_skew(e(2) * 1.5) == pytest.approx(1.5)
+    prof = _profile()
+    base = scaling_model.predict(prof, 64, 5e-6, 1e-9, "blocking")[0]
+    with_jitter = scaling_model.predict(prof, 64, 5e-6, 1e-9, "blocking", jitter=1e-3)[0]
+    assert with_jitter - base == pytest.approx(1e-3 * e(64))

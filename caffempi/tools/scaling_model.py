@@ -11,8 +11,13 @@ time per byte, reduction included).  Overlap: buckets of whole layers in
 reverse layer order (the reducer's rule) start when their lowest layer's
 backward ends and go through the network one after another; what is left
 after backward is exposed.  Blocking: one allreduce of everything after
-backward.  Efficiency = step time on one rank / step time on N ranks (each
-rank keeps its batch).
+backward.  Stragglers: every iteration waits for the slowest of the N
+ranks, so a rank's step-time jitter (its part independent of the other
+ranks, standard deviation sigma) adds sigma * E[max of N standard normals]
+(0.56 sigma on 2 ranks, 3.2 sigma on 1024).  sigma is read from the 2-rank
+runs' skew (the mean wait for the other rank's backward, 0.56 sigma) unless
+--jitter_ms gives it.  Efficiency = step time on one rank / step time on N
+ranks (each rank keeps its batch).
 
     python tools/scaling_model.py --calibrate           # alpha/beta for shared memory, 2 ranks
     python tools/scaling_model.py --bench bench.json --validate --plot scaling.png
@@ -64,8 +69,26 @@ def buckets_from_layers(layers, bucket_mb, first_bucket_mb=1.0, itemsize=4):
     return out
 
 
-def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0):
-    """Step seconds and exposed seconds for n ranks."""
+def expected_max_normal(n):
+    """E[max of n independent standard normal variables] (0 for n = 1)."""
+    if n <= 1:
+        return 0.0
+    from math import erf, pi, sqrt
+    x = np.linspace(-12.0, 12.0, 24001)
+    cdf = 0.5 * (1.0 + np.vectorize(erf)(x / sqrt(2.0)))
+    pdf = np.exp(-0.5 * x * x) / sqrt(2.0 * pi)
+    return float(np.sum(x * n * pdf * cdf ** (n - 1)) * (x[1] - x[0]))
+
+
+def jitter_from_skew(skew_ms):
+    """Per-rank independent step-time sigma (ms) from a 2-rank run's mean
+    skew: for two such ranks E[max(a, b)] - E[a] = sigma / sqrt(pi)."""
+    return skew_ms / expected_max_normal(2)
+
+
+def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0):
+    """Step seconds and exposed seconds for n ranks; ``jitter`` is the
+    per-rank independent step-time sigma in seconds (the straggler term)."""
     fwd = profile["forward_ms"] / 1e3
     bwd = sum(L["backward_ms"] for L in profile["layers"]) / 1e3
     other = max(0.0, profile["compute_ms"] / 1e3 - fwd - bwd)   # update, bookkeeping
@@ -79,6 +102,7 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
         for ready, nbytes in buckets_from_layers(profile["layers"], bucket_mb, first_bucket_mb):
             end = max(end, ready) + ring_time(nbytes, n, alpha, beta)
         exposed = max(0.0, end - bwd)
+    exposed += jitter * expected_max_normal(n)
     return fwd + bwd + other + exposed, exposed
 
 
@@ -135,19 +159,20 @@ def fit(points, n):
 
 
 # ---------------------------------------------------------------- reports
-def table(profile, name, presets, buckets, ranks=RANKS):
+def table(profile, name, presets, buckets, ranks=RANKS, jitter=0.0):
     t1 = single_step(profile)
-    lines = ["%s: one rank %.2f ms/iter (forward %.2f, backward %.2f), %.2f MB of gradients" % (
-        name, 1e3 * t1, profile["forward_ms"], sum(L["backward_ms"] for L in profile["layers"]),
-        sum(L["params"] for L in profile["layers"]) * 4 / 2 ** 20)]
+    lines = ["%s: one rank %.2f ms/iter (forward %.2f, backward %.2f), %.2f MB of gradients, "
+             "straggler sigma %.2f ms" % (
+                 name, 1e3 * t1, profile["forward_ms"], sum(L["backward_ms"] for L in profile["layers"]),
+                 sum(L["params"] for L in profile["layers"]) * 4 / 2 ** 20, 1e3 * jitter)]
     hdr = "%-10s %-9s %7s" % ("network", "mode", "bucket") + "".join("%8d" % n for n in ranks)
     lines += [hdr, "-" * len(hdr)]
     rows = {}
     for pname, (alpha, beta) in presets.items():
         for mode in ("blocking", "overlap"):
             for b in (buckets if mode == "overlap" else [None]):
-                effs = [t1 / predict(profile, n, alpha, beta, mode, b or 4.0, min(1.0, b or 4.0))[0]
-                        for n in ranks]
+                effs = [t1 / predict(profile, n, alpha, beta, mode, b or 4.0, min(1.0, b or 4.0),
+                                     jitter)[0] for n in ranks]
                 rows[(pname, mode, b)] = effs
                 lines.append("%-10s %-9s %7s" % (pname, mode, "-" if b is None else "%gMB" % b)
                              + "".join("%8.3f" % e for e in effs))
@@ -187,6 +212,8 @@ def main(argv=None):
     ap.add_argument("--beta_ns", type=float, help="shared-memory beta in ns per byte")
     ap.add_argument("--validate", action="store_true",
                     help="compare the 2-rank prediction (shared-memory alpha/beta) to the measurement")
+    ap.add_argument("--jitter_ms", type=float, help="per-rank independent step-time sigma (ms) for the "
+                    "straggler term; default: from the bench's 2-rank skew")
     ap.add_argument("--buckets", default="0.25,1,4,25", help="bucket sizes (MB) for the overlap rows")
     ap.add_argument("--plot", help="save a PNG of efficiency vs ranks")
     a = ap.parse_args(argv)
@@ -213,13 +240,20 @@ def main(argv=None):
         profile = {k: float(np.mean([r[k] for r in base])) for k in ("forward_ms", "compute_ms")}
         profile["layers"] = [dict(L, backward_ms=float(np.mean([r["layers"][i]["backward_ms"] for r in base])))
                              for i, L in enumerate(base[0]["layers"])]
-        txt, rows = table(profile, name, PRESETS, buckets)
+        mpi_runs = [r for m, run in runs.items() if m != "independent" for r in run["raw"]]
+        if a.jitter_ms is not None:
+            jitter = a.jitter_ms / 1e3
+        else:
+            jitter = jitter_from_skew(float(np.mean([r["skew_ms"] for r in mpi_runs]))) / 1e3 if mpi_runs else 0.0
+        txt, rows = table(profile, name, PRESETS, buckets, jitter=jitter)
         print(txt)
         print()
         rows_by_net[name] = rows
         if a.validate and shm:
             print("%s, 2 ranks on this machine (shared memory alpha %.1f us, beta %.3f ns/B):"
                   % (name, shm[0] * 1e6, shm[1] * 1e9))
+            # without the straggler term: its sigma is read from these same
+            # runs' skew, so it could not be checked against them
             for mode in [m for m in runs if m != "independent"]:
                 meas = runs[mode]["raw"]
                 bmb = 4.0
