@@ -1,7 +1,6 @@
 """Log tools (parse_log, plot_training_log), the tools/ wrappers and the
 offline demo data."""
 import csv
-import os
 import subprocess
 import sys
 from pathlib import Path
