@@ -10,10 +10,11 @@ Prints aggregate images/s (each process's timed images over the time they
 took, summed over processes), efficiency (the 2-rank job's aggregate over
 the independent pair's), and per iteration in ms: step (mean, and median),
 compute (forward+backward+update), allreduce (a blocking allreduce of the
-whole gradient, measured alone after the run), exposed (time spent in the reducer's wait after
-backward), split into skew (waiting for the other rank to finish its
-backward, from the ranks' common monotonic clock) and comm (what is left:
-communication not hidden behind the slowest rank's backward).  --json writes everything (tools/scaling_model.py reads it).
+whole gradient, measured alone after the run), exposed (time spent in the
+reducer's wait after backward), split into skew (waiting for the other rank
+to finish its backward, from the ranks' common monotonic clock) and comm
+(what is left: communication not hidden behind the slowest rank's backward).
+--json writes everything (tools/scaling_model.py reads it).
 
     .venv/bin/python benchmarks/scaling.py                  # both nets, overlap+blocking
     .venv/bin/python benchmarks/scaling.py --nets lenet --comm overlap,thread,async,nopoll,blocking
