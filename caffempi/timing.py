@@ -1,9 +1,11 @@
 """`caffempi time`: Caffe's layer-by-layer benchmark of forward and backward."""
+import functools
 import os
 import time
 
 import numpy as np
 
+from .backend import synchronize
 from .common import CaffeError, TRAIN, log
 from .io import proto_io
 from .net import Net, phase_from_name
@@ -81,6 +83,7 @@ def time_net(net, iterations=50, report=log.info, measure_memory=True):
     With ``measure_memory`` one more (traced) pass measures the peak
     activation and gradient bytes under the net's memory mode."""
     n = len(net.layers)
+    sync = functools.partial(synchronize, net.xp)
     report("Performing Forward")
     loss = net.forward_range()
     report("Initial loss: %g", loss)
@@ -98,12 +101,14 @@ def time_net(net, iterations=50, report=log.info, measure_memory=True):
         for i in range(n):
             t = time.perf_counter()
             net.forward_range(i, i)
+            sync()
             fwd[i] += time.perf_counter() - t
         t_f = time.perf_counter()
         fwd_total += t_f - t_iter
         for i in range(n - 1, -1, -1):
             t = time.perf_counter()
             net.backward_range(i, i)
+            sync()
             bwd[i] += time.perf_counter() - t
         bwd_total += time.perf_counter() - t_f
         steps.append(time.perf_counter() - t_iter)

@@ -17,3 +17,7 @@ def zoo():
     if not ZOO.is_dir():
         pytest.skip("../shared/caffe-zoo is absent")
     return ZOO
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "gpu: needs CuPy and a CUDA device (skips cleanly without)")

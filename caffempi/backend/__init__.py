@@ -29,3 +29,9 @@ def to_numpy(a):
     if isinstance(a, np.ndarray):
         return a
     return a.get() if hasattr(a, "get") else np.asarray(a)
+
+
+def synchronize(xp):
+    """Wait for the device's queued work (timing GPU code); no-op on NumPy."""
+    if xp is not np:
+        xp.cuda.get_current_stream().synchronize()

@@ -753,9 +753,11 @@ def max_pool_forward(x, geom, oh, ow):
     return y.reshape(n, c, oh, ow), idx.reshape(n, c, oh, ow)
 
 
-def max_pool_backward(dy, idx, x_shape, overlapping=True):
+def max_pool_backward(dy, idx, geom, x_shape):
     """Routes each output gradient to its argmax (summing where windows that
     overlap share one; np.add.at is a fast scatter-add in NumPy 2)."""
+    kh, kw, sh, sw = geom[:4]
+    overlapping = kh > sh or kw > sw
     n, c, h, w = x_shape
     offs = (np.arange(n * c, dtype=np.intp) * (h * w)).reshape(n, c, 1, 1)
     flat = (idx + offs).ravel()
@@ -840,7 +842,7 @@ def ave_pool_backward(dy, geom, x_shape):
     return np.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + w])
 
 
-def _channel_window_sum(a, size, pre):
+def channel_window_sum(a, size, pre):
     """s[:, c] = sum of a[:, c-pre .. c-pre+size-1] (zeros outside)."""
     n, c = a.shape[:2]
     padded = np.zeros((n, c + size - 1) + a.shape[2:], a.dtype)
@@ -851,7 +853,7 @@ def _channel_window_sum(a, size, pre):
     return s
 
 
-def _spatial_window_sum(a, size, pre):
+def spatial_window_sum(a, size, pre):
     """Sum over a size x size window centred (offset pre) on each pixel, zeros
     outside: separable, one pass per axis."""
     n, c, h, w = a.shape
@@ -866,38 +868,3 @@ def _spatial_window_sum(a, size, pre):
     for t in range(1, size):
         s += padded[:, :, t:t + h]
     return s
-
-
-def lrn_forward(x, size, alpha, beta, k, across_channels):
-    """Returns (y, scale): y = x * scale**-beta with Caffe's scale."""
-    pre = (size - 1) // 2
-    sq = x * x
-    if across_channels:
-        scale = _channel_window_sum(sq, size, pre)
-        scale *= x.dtype.type(alpha / size)
-        scale += x.dtype.type(k)
-    else:
-        scale = _spatial_window_sum(sq, size, pre)
-        scale *= x.dtype.type(alpha / (size * size))
-        scale += x.dtype.type(1)
-    y = np.power(scale, x.dtype.type(-beta))
-    y *= x
-    return y, scale
-
-
-def lrn_backward(x, y, scale, dy, size, alpha, beta, across_channels):
-    pre = (size - 1) // 2
-    t = dy * y
-    t /= scale
-    if across_channels:
-        # the window is symmetric for odd sizes; the transposed window starts
-        # size-1-pre below
-        acc = _channel_window_sum(t, size, size - 1 - pre)
-        coef = 2.0 * alpha * beta / size
-    else:
-        acc = _spatial_window_sum(t, size, size - 1 - pre)
-        coef = 2.0 * alpha * beta / (size * size)
-    acc *= x
-    acc *= x.dtype.type(-coef)
-    acc += dy * np.power(scale, x.dtype.type(-beta))
-    return acc

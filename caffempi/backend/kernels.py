@@ -1,7 +1,7 @@
 """Backend dispatch for the kernels that need a per-backend implementation
-(convolution, pooling, LRN).  Each function takes the array module ``xp`` first
-and forwards to the NumPy kernels in :mod:`caffempi.backend.cpu`; the CuPy
-versions are not written yet."""
+(convolution, pooling, LRN's window sums).  Each function takes the array
+module ``xp`` first and forwards to :mod:`caffempi.backend.cpu` (NumPy) or
+:mod:`caffempi.backend.gpu` (CuPy, imported on first use)."""
 import numpy as np
 
 from . import cpu
@@ -10,9 +10,8 @@ from . import cpu
 def _impl(xp, name):
     if xp is np:
         return getattr(cpu, name)
-    raise NotImplementedError(
-        "kernel '%s' has only a NumPy implementation so far; array module %s is not supported"
-        % (name, getattr(xp, "__name__", xp)))
+    from . import gpu
+    return getattr(gpu, name)
 
 
 conv_out_size = cpu.conv_out_size
@@ -34,8 +33,8 @@ def max_pool_forward(xp, x, geom, oh, ow):
     return _impl(xp, "max_pool_forward")(x, geom, oh, ow)
 
 
-def max_pool_backward(xp, dy, idx, x_shape, overlapping=True):
-    return _impl(xp, "max_pool_backward")(dy, idx, x_shape, overlapping)
+def max_pool_backward(xp, dy, idx, geom, x_shape):
+    return _impl(xp, "max_pool_backward")(dy, idx, geom, x_shape)
 
 
 def ave_pool_forward(xp, x, geom, oh, ow):
@@ -47,8 +46,35 @@ def ave_pool_backward(xp, dy, geom, x_shape):
 
 
 def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
-    return _impl(xp, "lrn_forward")(x, size, alpha, beta, k, across_channels)
+    """Returns (y, scale): y = x * scale**-beta with Caffe's scale."""
+    pre = (size - 1) // 2
+    sq = x * x
+    if across_channels:
+        scale = _impl(xp, "channel_window_sum")(sq, size, pre)
+        scale *= x.dtype.type(alpha / size)
+        scale += x.dtype.type(k)
+    else:
+        scale = _impl(xp, "spatial_window_sum")(sq, size, pre)
+        scale *= x.dtype.type(alpha / (size * size))
+        scale += x.dtype.type(1)
+    y = xp.power(scale, x.dtype.type(-beta))
+    y *= x
+    return y, scale
 
 
 def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
-    return _impl(xp, "lrn_backward")(x, y, scale, dy, size, alpha, beta, across_channels)
+    pre = (size - 1) // 2
+    t = dy * y
+    t /= scale
+    if across_channels:
+        # the window is symmetric for odd sizes; the transposed window starts
+        # size-1-pre below
+        acc = _impl(xp, "channel_window_sum")(t, size, size - 1 - pre)
+        coef = 2.0 * alpha * beta / size
+    else:
+        acc = _impl(xp, "spatial_window_sum")(t, size, size - 1 - pre)
+        coef = 2.0 * alpha * beta / (size * size)
+    acc *= x
+    acc *= x.dtype.type(-coef)
+    acc += dy * xp.power(scale, x.dtype.type(-beta))
+    return acc

@@ -111,8 +111,6 @@ class PoolingLayer(Layer):
             return
         dy = top[0].diff
         if self.method == _PP.MAX:
-            kh, kw, sh, sw = self.geom[:4]
-            overlapping = kh > sh or kw > sw
-            bottom[0].diff = kernels.max_pool_backward(self.xp, dy, self.argmax, bottom[0].shape, overlapping)
+            bottom[0].diff = kernels.max_pool_backward(self.xp, dy, self.argmax, self.geom, bottom[0].shape)
         else:
             bottom[0].diff = kernels.ave_pool_backward(self.xp, dy, self.geom, bottom[0].shape)

@@ -1,0 +1,312 @@
+"""CuPy kernels for convolution, pooling and the LRN window sums.
+
+Same contracts as :mod:`caffempi.backend.cpu` (NCHW arrays, ``geom`` =
+``(kh, kw, sh, sw, ph, pw, dh, dw)``).  Convolution is Caffe's GPU scheme:
+im2col into a (C*kh*kw, images*oh*ow) column matrix, one cuBLAS GEMM per
+group over a chunk of images, col2im by gathering (each input pixel sums the
+column entries that read it, so no atomics and a deterministic order).
+Pooling and the window sums are one thread per output element.  CuPy v14
+dropped its cuDNN bindings; :mod:`caffempi.backend.cudnn` replaces the
+convolution with cuDNN's where the library loads.
+
+Everything stays on the device: no host round trip in any kernel here.
+"""
+import cupy as cp
+
+from .cpu import conv_out_size
+
+# A chunk's column matrix is kept under this size: the whole batch's can be
+# gigabytes (AlexNet conv1 at batch 256: 1.1 GB) for no gain in GEMM speed.
+_COL_CHUNK_BYTES = 256 << 20
+
+_GEOM_ARGS = "int32 kh, int32 kw, int32 sh, int32 sw, int32 ph, int32 pw, int32 dh, int32 dw"
+
+# col[(ch*kh + i)*kw + j, (n*oh + y)*ow + x] = x[n, ch, y*sh - ph + i*dh, x*sw - pw + j*dw]
+_im2col = cp.ElementwiseKernel(
+    "raw T src, int32 c, int32 h, int32 w, int32 oh, int32 ow, int32 m, " + _GEOM_ARGS,
+    "T col",
+    """
+    const long long mp = (long long)m * oh * ow;
+    const long long row = i / mp;
+    const long long rest = i - row * mp;
+    const int p = oh * ow;
+    const int n = rest / p, yx = rest - (long long)n * p;
+    const int y = yx / ow, xo = yx - y * ow;
+    const int j = row % kw, t = row / kw, ki = t % kh, ch = t / kh;
+    const int hi = y * sh - ph + ki * dh, wi = xo * sw - pw + j * dw;
+    col = (hi >= 0 && hi < h && wi >= 0 && wi < w)
+        ? src[((long long)(n * c + ch) * h + hi) * w + wi] : (T)0;
+    """, "caffempi_im2col")
+
+# The transpose of im2col: dx[n, ch, hi, wi] = sum of the col entries read from it.
+_col2im = cp.ElementwiseKernel(
+    "raw T col, int32 c, int32 h, int32 w, int32 oh, int32 ow, int32 m, " + _GEOM_ARGS,
+    "T dx",
+    """
+    const int wi = i % w;
+    long long t = i / w;
+    const int hi = t % h; t /= h;
+    const int ch = t % c, n = t / c;
+    const long long mp = (long long)m * oh * ow;
+    T s = 0;
+    for (int ki = 0; ki < kh; ++ki) {
+        const int hy = hi + ph - ki * dh;
+        if (hy < 0 || hy % sh) continue;
+        const int y = hy / sh;
+        if (y >= oh) continue;
+        for (int j = 0; j < kw; ++j) {
+            const int wx = wi + pw - j * dw;
+            if (wx < 0 || wx % sw) continue;
+            const int xo = wx / sw;
+            if (xo >= ow) continue;
+            s += col[((long long)(ch * kh + ki) * kw + j) * mp + ((long long)n * oh + y) * ow + xo];
+        }
+    }
+    dx = s;
+    """, "caffempi_col2im")
+
+
+def _chunk(n, per_image_bytes):
+    return int(max(1, min(n, _COL_CHUNK_BYTES // max(per_image_bytes, 1))))
+
+
+def _is_pointwise(geom):
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    return kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
+
+
+def im2col(x, geom, oh, ow):
+    """(C*kh*kw, N*oh*ow) column matrix of the unpadded batch ``x``."""
+    n, c, h, w = x.shape
+    kh, kw = geom[:2]
+    col = cp.empty((c * kh * kw, n * oh * ow), x.dtype)
+    _im2col(cp.ascontiguousarray(x), c, h, w, oh, ow, n, *geom, col)
+    return col
+
+
+def col2im(col, x_shape, geom, oh, ow, out=None):
+    n, c, h, w = x_shape
+    if out is None:
+        out = cp.empty(x_shape, col.dtype)
+    _col2im(col, c, h, w, oh, ow, n, *geom, out)
+    return out
+
+
+def conv2d_forward(x, w, geom, group, bias=None):
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    n, c, h, wd = x.shape
+    o = w.shape[0]
+    oh, ow = conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw)
+    g = group
+    wg = w.reshape(g, o // g, -1)
+    if _is_pointwise(geom):
+        y = cp.matmul(wg, x.reshape(n, g, c // g, h * wd)).reshape(n, o, oh, ow)
+        if bias is not None:
+            y += bias.reshape(o, 1, 1)
+        return y
+    y = cp.empty((n, o, oh, ow), x.dtype)
+    p, k = oh * ow, c * kh * kw
+    nb = _chunk(n, k * p * x.itemsize)
+    for a in range(0, n, nb):
+        m = min(nb, n - a)
+        col = im2col(x[a:a + m], geom, oh, ow)
+        r = cp.matmul(wg, col.reshape(g, k // g, m * p)).reshape(o, m, p).transpose(1, 0, 2)
+        out = y[a:a + m].reshape(m, o, p)
+        if bias is None:
+            out[...] = r
+        else:
+            cp.add(r, bias.reshape(o, 1), out=out)
+    return y
+
+
+def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None):
+    """Returns (dx, dw), None where not asked for; ``x`` may be None when
+    only dx is needed (``x_shape`` then gives the input shape)."""
+    kh, kw = geom[:2]
+    if x_shape is None:
+        x_shape = x.shape
+    n, c, h, wd = x_shape
+    o = w.shape[0]
+    _, _, oh, ow = dy.shape
+    g = group
+    og = o // g
+    wg = w.reshape(g, og, -1)
+    p, k = oh * ow, c * kh * kw
+    gx = cp.empty(x_shape, dy.dtype) if need_dx else None
+    if need_dx and _is_pointwise(geom):
+        gx[...] = cp.matmul(wg.transpose(0, 2, 1), dy.reshape(n, g, og, p)).reshape(x_shape)
+        need_dx = False
+    gw = cp.zeros((g, og, k // g), dy.dtype) if need_dw else None
+    if not need_dw and not need_dx:
+        return gx, gw
+    nb = _chunk(n, k * p * dy.itemsize)
+    for a in range(0, n, nb):
+        m = min(nb, n - a)
+        # dy of the chunk with images inside the columns, as the col matrix
+        dyt = cp.ascontiguousarray(dy[a:a + m].reshape(m, o, p).transpose(1, 0, 2)).reshape(g, og, m * p)
+        if need_dw:
+            col = im2col(x[a:a + m], geom, oh, ow).reshape(g, k // g, m * p)
+            gw += cp.matmul(dyt, col.transpose(0, 2, 1))
+        if need_dx:
+            dcol = cp.matmul(wg.transpose(0, 2, 1), dyt).reshape(k, m * p)
+            col2im(dcol, (m, c, h, wd), geom, oh, ow, gx[a:a + m])
+    if gw is not None:
+        gw = gw.reshape(w.shape)
+    return gx, gw
+
+
+def bias_grad(dy):
+    n, c = dy.shape[:2]
+    return dy.reshape(n, c, -1).sum(axis=(0, 2))
+
+
+# --------------------------------------------------------------------- pooling
+_POOL_ARGS = "int32 h, int32 w, int32 oh, int32 ow, int32 kh, int32 kw, int32 sh, int32 sw, int32 ph, int32 pw"
+
+# Caffe's MaxPoolForward: the window clipped to the image, the first maximum
+# in raster order; idx is its h*W + w in the unpadded plane.
+_max_pool_fwd = cp.ElementwiseKernel(
+    "raw T x, " + _POOL_ARGS, "T y, int32 idx",
+    """
+    const int xo = i % ow, yo = (i / ow) % oh;
+    const long long plane = i / ((long long)oh * ow);
+    const int hs = max(yo * sh - ph, 0), he = min(yo * sh - ph + kh, h);
+    const int ws = max(xo * sw - pw, 0), we = min(xo * sw - pw + kw, w);
+    const T* src = &x[plane * h * w];
+    T best = (T)__int_as_float(0xff800000);    // -inf
+    int arg = hs * w + ws;
+    for (int r = hs; r < he; ++r)
+        for (int q = ws; q < we; ++q)
+            if (src[r * w + q] > best) { best = src[r * w + q]; arg = r * w + q; }
+    y = best;
+    idx = arg;
+    """, "caffempi_max_pool_fwd")
+
+# Gather form of the backward: each input pixel sums the output gradients of
+# the windows that cover it and chose it.
+_max_pool_bwd = cp.ElementwiseKernel(
+    "raw T dy, raw int32 idx, " + _POOL_ARGS, "T dx",
+    """
+    const int wi = i % w, hi = (i / w) % h;
+    const long long plane = i / ((long long)h * w);
+    const int pys = (hi + ph < kh) ? 0 : (hi + ph - kh) / sh + 1, pye = min((hi + ph) / sh + 1, oh);
+    const int pxs = (wi + pw < kw) ? 0 : (wi + pw - kw) / sw + 1, pxe = min((wi + pw) / sw + 1, ow);
+    const long long base = plane * oh * ow;
+    const int me = hi * w + wi;
+    T s = 0;
+    for (int py = pys; py < pye; ++py)
+        for (int px = pxs; px < pxe; ++px)
+            if (idx[base + py * ow + px] == me) s += dy[base + py * ow + px];
+    dx = s;
+    """, "caffempi_max_pool_bwd")
+
+# Caffe's AVE divisor: the window clipped to the padded image (padding
+# counts, overhang past it does not), the sum over the unpadded part.
+_AVE_DIVISOR = """
+    __device__ int ave_divisor(int yo, int xo, int h, int w, int kh, int kw, int sh, int sw, int ph, int pw) {
+        const int hs = yo * sh - ph, ws = xo * sw - pw;
+        return (min(hs + kh, h + ph) - hs) * (min(ws + kw, w + pw) - ws);
+    }
+"""
+
+_ave_pool_fwd = cp.ElementwiseKernel(
+    "raw T x, " + _POOL_ARGS, "T y",
+    """
+    const int xo = i % ow, yo = (i / ow) % oh;
+    const long long plane = i / ((long long)oh * ow);
+    const int hs = max(yo * sh - ph, 0), he = min(yo * sh - ph + kh, h);
+    const int ws = max(xo * sw - pw, 0), we = min(xo * sw - pw + kw, w);
+    const T* src = &x[plane * h * w];
+    T s = 0;
+    for (int r = hs; r < he; ++r)
+        for (int q = ws; q < we; ++q)
+            s += src[r * w + q];
+    y = s / (T)ave_divisor(yo, xo, h, w, kh, kw, sh, sw, ph, pw);
+    """, "caffempi_ave_pool_fwd", preamble=_AVE_DIVISOR)
+
+_ave_pool_bwd = cp.ElementwiseKernel(
+    "raw T dy, " + _POOL_ARGS, "T dx",
+    """
+    const int wi = i % w, hi = (i / w) % h;
+    const long long plane = i / ((long long)h * w);
+    const int pys = (hi + ph < kh) ? 0 : (hi + ph - kh) / sh + 1, pye = min((hi + ph) / sh + 1, oh);
+    const int pxs = (wi + pw < kw) ? 0 : (wi + pw - kw) / sw + 1, pxe = min((wi + pw) / sw + 1, ow);
+    const long long base = plane * oh * ow;
+    T s = 0;
+    for (int py = pys; py < pye; ++py)
+        for (int px = pxs; px < pxe; ++px)
+            s += dy[base + py * ow + px] / (T)ave_divisor(py, px, h, w, kh, kw, sh, sw, ph, pw);
+    dx = s;
+    """, "caffempi_ave_pool_bwd", preamble=_AVE_DIVISOR)
+
+
+def max_pool_forward(x, geom, oh, ow):
+    n, c, h, w = x.shape
+    y = cp.empty((n, c, oh, ow), x.dtype)
+    idx = cp.empty((n, c, oh, ow), cp.int32)
+    _max_pool_fwd(cp.ascontiguousarray(x), h, w, oh, ow, *geom[:6], y, idx)
+    return y, idx
+
+
+def max_pool_backward(dy, idx, geom, x_shape):
+    n, c, h, w = x_shape
+    oh, ow = dy.shape[2:]
+    dx = cp.empty(x_shape, dy.dtype)
+    _max_pool_bwd(cp.ascontiguousarray(dy), idx, h, w, oh, ow, *geom[:6], dx)
+    return dx
+
+
+def ave_pool_forward(x, geom, oh, ow):
+    n, c, h, w = x.shape
+    y = cp.empty((n, c, oh, ow), x.dtype)
+    _ave_pool_fwd(cp.ascontiguousarray(x), h, w, oh, ow, *geom[:6], y)
+    return y
+
+
+def ave_pool_backward(dy, geom, x_shape):
+    n, c, h, w = x_shape
+    oh, ow = dy.shape[2:]
+    dx = cp.empty(x_shape, dy.dtype)
+    _ave_pool_bwd(cp.ascontiguousarray(dy), h, w, oh, ow, *geom[:6], dx)
+    return dx
+
+
+# ------------------------------------------------------------------ LRN sums
+_channel_sum = cp.ElementwiseKernel(
+    "raw T a, int32 c, int32 hw, int32 size, int32 pre", "T s",
+    """
+    const long long pix = i % hw;
+    const int ch = (i / hw) % c;
+    const long long img = i / ((long long)hw * c);
+    const int lo = max(ch - pre, 0), hi = min(ch - pre + size, c);
+    T acc = 0;
+    for (int q = lo; q < hi; ++q) acc += a[(img * c + q) * hw + pix];
+    s = acc;
+    """, "caffempi_channel_sum")
+
+_spatial_sum = cp.ElementwiseKernel(
+    "raw T a, int32 h, int32 w, int32 size, int32 pre", "T s",
+    """
+    const int wi = i % w, hi = (i / w) % h;
+    const long long plane = i / ((long long)h * w);
+    const int r0 = max(hi - pre, 0), r1 = min(hi - pre + size, h);
+    const int q0 = max(wi - pre, 0), q1 = min(wi - pre + size, w);
+    T acc = 0;
+    for (int r = r0; r < r1; ++r)
+        for (int q = q0; q < q1; ++q) acc += a[(plane * h + r) * w + q];
+    s = acc;
+    """, "caffempi_spatial_sum")
+
+
+def channel_window_sum(a, size, pre):
+    n, c = a.shape[:2]
+    s = cp.empty_like(a)
+    _channel_sum(cp.ascontiguousarray(a), c, a[0, 0].size, size, pre, s)
+    return s
+
+
+def spatial_window_sum(a, size, pre):
+    h, w = a.shape[2:]
+    s = cp.empty_like(a)
+    _spatial_sum(cp.ascontiguousarray(a), h, w, size, pre, s)
+    return s

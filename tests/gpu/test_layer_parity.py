@@ -1,0 +1,156 @@
+"""Every layer type on CuPy against NumPy: forward tops, bottom and parameter
+gradients within float32 tolerance, same seeded parameters and inputs."""
+import numpy as np
+import pytest
+
+from caffempi.common import TEST
+from caffempi.layers.base import LAYER_REGISTRY
+from caffempi.testing.parity import check_backend_parity
+
+pytestmark = pytest.mark.gpu
+
+# data-reading layers fill host batches; the training parity test covers Data
+FILE_DATA = {"Data", "ImageData", "HDF5Data", "MemoryData"}
+
+
+def rand(*shape, seed=0):
+    return np.random.RandomState(seed).randn(*shape)
+
+
+def distinct(*shape, seed=0):
+    """Values with no ties (MAX pooling, ArgMax, Eltwise MAX pick one)."""
+    return np.random.RandomState(seed).permutation(int(np.prod(shape))).reshape(shape) / 7.0 - 3.0
+
+
+def labels(n, classes, seed=0):
+    return np.random.RandomState(seed).randint(0, classes, n).astype(float)
+
+
+CONV = 'type: "%s" convolution_param { %s weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "gaussian" std: 0.1 } }'
+POOL = 'type: "Pooling" pooling_param { %s }'
+
+# (layer text, bottoms, options)
+CASES = {
+    "AbsVal": [('type: "AbsVal"', [rand(2, 3, 4, 5)], {})],
+    "Accuracy": [('type: "Accuracy" accuracy_param { top_k: 2 }', [rand(6, 5), labels(6, 5)],
+                  {"check_bottoms": []})],
+    "ArgMax": [('type: "ArgMax" argmax_param { top_k: 2 out_max_val: true }', [distinct(3, 6)],
+                {"check_bottoms": []})],
+    "BNLL": [('type: "BNLL"', [rand(2, 3, 4)], {})],
+    "BatchNorm": [('type: "BatchNorm"', [rand(4, 3, 5, 5)], {}),
+                  ('type: "BatchNorm" batch_norm_param { use_global_stats: false eps: 0.001 }',
+                   [rand(3, 4, 2, 2)], {})],
+    "Bias": [('type: "Bias" bias_param { filler { type: "gaussian" } }', [rand(2, 3, 4, 4)], {}),
+             ('type: "Bias" bias_param { axis: 1 }', [rand(2, 3, 4, 4), rand(3, 4, seed=1)], {})],
+    "Clip": [('type: "Clip" clip_param { min: -0.5 max: 0.7 }', [rand(2, 3, 4)], {})],
+    "Concat": [('type: "Concat"', [rand(2, 3, 4), rand(2, 5, 4, seed=1)], {}),
+               ('type: "Concat" concat_param { axis: 2 }', [rand(2, 3, 4), rand(2, 3, 2, seed=1)], {})],
+    "ContrastiveLoss": [('type: "ContrastiveLoss" contrastive_loss_param { margin: 2 }',
+                         [rand(6, 4), rand(6, 4, seed=1), labels(6, 2)], {"check_bottoms": [0, 1]})],
+    "Convolution": [
+        (CONV % ("Convolution", "num_output: 6 kernel_size: 3 pad: 1"), [rand(3, 4, 9, 8)], {}),
+        (CONV % ("Convolution", "num_output: 6 kernel_h: 3 kernel_w: 2 stride_h: 2 stride_w: 1 "
+                 "pad_h: 1 pad_w: 0 group: 2"), [rand(2, 4, 9, 7)], {}),
+        (CONV % ("Convolution", "num_output: 4 kernel_size: 3 dilation: 2 pad: 2 bias_term: false"),
+         [rand(2, 3, 10, 10)], {}),
+        (CONV % ("Convolution", "num_output: 8 kernel_size: 1"), [rand(2, 6, 5, 5)], {}),
+        (CONV % ("Convolution", "num_output: 8 kernel_size: 1 stride: 2 group: 2"), [rand(2, 6, 7, 7)], {}),
+        (CONV % ("Convolution", "num_output: 16 kernel_size: 11 stride: 4"), [rand(2, 3, 35, 35)], {}),
+    ],
+    "Crop": [('type: "Crop" crop_param { axis: 1 offset: 1 offset: 2 offset: 0 }',
+              [rand(2, 4, 5, 4), rand(2, 2, 3, 2)], {"check_bottoms": [0]})],
+    "Deconvolution": [(CONV % ("Deconvolution", "num_output: 5 kernel_size: 4 stride: 2 pad: 1"),
+                       [rand(2, 4, 5, 5)], {}),
+                      (CONV % ("Deconvolution", "num_output: 4 kernel_size: 3 group: 2"),
+                       [rand(2, 4, 3, 3)], {})],
+    "Dropout": [('type: "Dropout" dropout_param { dropout_ratio: 0.4 }', [rand(4, 50)], {}),
+                ('type: "Dropout"', [rand(4, 50)], {"phase": TEST})],
+    "DummyData": [('type: "DummyData" dummy_data_param { shape { dim: 2 dim: 3 } '
+                   'data_filler { type: "constant" value: 1.5 } }', [], {"num_top": 1})],
+    "ELU": [('type: "ELU" elu_param { alpha: 0.7 }', [rand(2, 3, 4)], {})],
+    "Eltwise": [('type: "Eltwise" eltwise_param { operation: SUM coeff: 1.5 coeff: -0.5 }',
+                 [rand(2, 3, 4), rand(2, 3, 4, seed=1)], {}),
+                ('type: "Eltwise" eltwise_param { operation: PROD }',
+                 [rand(2, 3, 4), rand(2, 3, 4, seed=1), rand(2, 3, 4, seed=2)], {}),
+                ('type: "Eltwise" eltwise_param { operation: MAX }',
+                 [distinct(2, 3, 4), distinct(2, 3, 4, seed=1)], {})],
+    "Embed": [('type: "Embed" embed_param { num_output: 3 input_dim: 5 '
+               'weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } }',
+               [np.array([[0, 4, 2, 2], [2, 1, 1, 0]], float)], {"check_bottoms": []})],
+    "EuclideanLoss": [('type: "EuclideanLoss"', [rand(4, 5), rand(4, 5, seed=1)], {})],
+    "Exp": [('type: "Exp" exp_param { base: 2 scale: 0.5 shift: 0.1 }', [rand(2, 3, 4)], {})],
+    "Flatten": [('type: "Flatten"', [rand(2, 3, 4, 5)], {})],
+    "HingeLoss": [('type: "HingeLoss" hinge_loss_param { norm: L2 }', [rand(5, 4), labels(5, 4)],
+                   {"check_bottoms": [0]})],
+    "InfogainLoss": [('type: "InfogainLoss"', [rand(4, 3), labels(4, 3),
+                                                 np.abs(rand(3, 3, seed=2)) + np.eye(3)],
+                      {"check_bottoms": [0]})],
+    "InnerProduct": [('type: "InnerProduct" inner_product_param { num_output: 7 '
+                      'weight_filler { type: "gaussian" } bias_filler { type: "gaussian" } }',
+                      [rand(4, 3, 2, 2)], {}),
+                     ('type: "InnerProduct" inner_product_param { num_output: 5 transpose: true axis: 2 '
+                      'weight_filler { type: "gaussian" } }', [rand(2, 3, 6)], {})],
+    "Input": [('type: "Input" input_param { shape { dim: 2 dim: 3 } }', [], {"num_top": 1})],
+    "LRN": [('type: "LRN" lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 }', [rand(2, 7, 6, 6)], {}),
+            ('type: "LRN" lrn_param { local_size: 3 alpha: 2 beta: 0.6 k: 2 }', [rand(2, 4, 3, 3)], {}),
+            ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }',
+             [rand(2, 3, 5, 6)], {})],
+    "Log": [('type: "Log" log_param { base: 3 scale: 0.5 shift: 4 }', [rand(2, 3, 4)], {})],
+    "MVN": [('type: "MVN"', [rand(2, 3, 4, 4)], {}),
+            ('type: "MVN" mvn_param { across_channels: true normalize_variance: false }',
+             [rand(2, 3, 4, 4)], {})],
+    "MultinomialLogisticLoss": [('type: "MultinomialLogisticLoss"',
+                                 [np.random.RandomState(3).uniform(0.1, 1, (4, 5)), labels(4, 5)],
+                                 {"check_bottoms": [0]})],
+    "PReLU": [('type: "PReLU"', [rand(2, 3, 4, 4)], {}),
+              ('type: "PReLU" prelu_param { channel_shared: true }', [rand(2, 3, 4, 4)], {})],
+    "Pooling": [
+        (POOL % "pool: MAX kernel_size: 3 stride: 2", [distinct(2, 3, 9, 8)], {}),
+        (POOL % "pool: MAX kernel_size: 2 stride: 2", [distinct(2, 3, 8, 8)], {}),
+        (POOL % "pool: MAX kernel_size: 3 stride: 2 pad: 1", [distinct(2, 3, 7, 6)], {}),
+        (POOL % "pool: AVE kernel_size: 3 stride: 2", [rand(2, 3, 9, 8)], {}),
+        (POOL % "pool: AVE kernel_size: 3 stride: 2 pad: 1", [rand(2, 3, 16, 16)], {}),
+        (POOL % "pool: AVE kernel_size: 7 stride: 1", [rand(2, 3, 7, 7)], {}),
+        (POOL % "pool: MAX global_pooling: true", [distinct(2, 3, 5, 4)], {}),
+        (POOL % "pool: AVE global_pooling: true", [rand(2, 3, 5, 4)], {}),
+    ],
+    "Power": [('type: "Power" power_param { power: 2 scale: 0.5 shift: 3 }', [rand(2, 3, 4)], {})],
+    "ReLU": [('type: "ReLU"', [rand(2, 3, 4)], {}),
+             ('type: "ReLU" relu_param { negative_slope: 0.1 }', [rand(2, 3, 4)], {})],
+    "Reduction": [('type: "Reduction" reduction_param { operation: %s axis: 1 coeff: -2 }' % op,
+                   [distinct(2, 3, 4)], {}) for op in ("SUM", "ASUM", "SUMSQ", "MEAN")],
+    "Reshape": [('type: "Reshape" reshape_param { shape { dim: 0 dim: -1 } }', [rand(2, 3, 4)], {})],
+    "Scale": [('type: "Scale" scale_param { bias_term: true filler { type: "gaussian" } '
+               'bias_filler { type: "gaussian" } }', [rand(2, 3, 4, 4)], {}),
+              ('type: "Scale" scale_param { axis: 0 }', [rand(2, 3, 4, 4), rand(2, 3, seed=1)], {})],
+    "Sigmoid": [('type: "Sigmoid"', [rand(2, 3, 4)], {})],
+    "SigmoidCrossEntropyLoss": [('type: "SigmoidCrossEntropyLoss"',
+                                 [rand(4, 5), (rand(4, 5, seed=1) > 0).astype(float)],
+                                 {"check_bottoms": [0]})],
+    "Silence": [('type: "Silence"', [rand(2, 3), rand(4, seed=1)], {"num_top": 0})],
+    "Slice": [('type: "Slice" slice_param { axis: 1 slice_point: 1 slice_point: 4 }',
+               [rand(2, 6, 3)], {"num_top": 3})],
+    "Softmax": [('type: "Softmax"', [rand(3, 5, 2)], {}),
+                ('type: "Softmax" softmax_param { axis: 2 }', [rand(3, 5, 4)], {})],
+    "SoftmaxWithLoss": [('type: "SoftmaxWithLoss"', [rand(6, 5), labels(6, 5)], {"check_bottoms": [0]}),
+                        ('type: "SoftmaxWithLoss" loss_param { ignore_label: 1 normalization: BATCH_SIZE }',
+                         [rand(3, 4, 5), labels(15, 4).reshape(3, 5)], {"check_bottoms": [0]})],
+    "Split": [('type: "Split"', [rand(2, 3, 4)], {"num_top": 3})],
+    "Swish": [('type: "Swish" swish_param { beta: 1.5 }', [rand(2, 3, 4)], {})],
+    "TanH": [('type: "TanH"', [rand(2, 3, 4)], {})],
+    "Threshold": [('type: "Threshold" threshold_param { threshold: 0.3 }', [rand(2, 3, 4)],
+                   {"check_bottoms": []})],
+    "Tile": [('type: "Tile" tile_param { axis: 1 tiles: 3 }', [rand(2, 3, 4)], {})],
+}
+
+PARAMS = [pytest.param(text, bottoms, opts, id="%s-%d" % (kind, i))
+          for kind, cases in sorted(CASES.items()) for i, (text, bottoms, opts) in enumerate(cases)]
+
+
+def test_every_layer_type_has_a_case():
+    assert sorted(set(LAYER_REGISTRY) - FILE_DATA - set(CASES)) == []
+
+
+@pytest.mark.parametrize("text,bottoms,opts", PARAMS)
+def test_layer_parity(cupy, text, bottoms, opts):
+    check_backend_parity(text, bottoms, cupy, **opts)
