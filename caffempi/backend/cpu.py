@@ -34,6 +34,8 @@ import threading
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
+from ..common import rng
+
 # Target size of one chunk's column matrix.  OpenBLAS runs these skinny GEMMs
 # (few output channels) at ~85-90 GFLOP/s on 0.5-2 MB column blocks and at
 # ~55 on whole-batch ones; 0.5-4 MB measured about the same end to end.
@@ -868,3 +870,14 @@ def spatial_window_sum(a, size, pre):
     for t in range(1, size):
         s += padded[:, :, t:t + h]
     return s
+
+
+# --------------------------------------------------------------------- dropout
+def dropout_scale(ratio, dtype):
+    """1/(1-ratio) rounded as the mask's dtype divides it."""
+    return (np.ones(1, dtype) / (1.0 - ratio))[0]
+
+
+def dropout_mask(shape, ratio, dtype):
+    keep = rng().random_sample(shape) > ratio
+    return keep.astype(dtype) / (1.0 - ratio)

@@ -78,3 +78,10 @@ def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
     acc *= x.dtype.type(-coef)
     acc += dy * xp.power(scale, x.dtype.type(-beta))
     return acc
+
+
+def dropout_mask(xp, shape, ratio, dtype):
+    """Inverted dropout's mask: 1/(1-ratio) with probability 1-ratio, else 0,
+    drawn from the process RNG (on the GPU, a device hash seeded by one draw
+    of it, so runs stay reproducible from random_seed and resumable)."""
+    return _impl(xp, "dropout_mask")(shape, ratio, np.dtype(dtype))

@@ -8,7 +8,8 @@ from the output, so in-place and out-of-place runs give the same results.
 """
 import math
 
-from ..common import TRAIN, rng
+from ..backend import kernels
+from ..common import TRAIN
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -361,9 +362,8 @@ class DropoutLayer(_Neuron):
 
     def compute(self, x):
         if self.phase == TRAIN:
-            keep = rng().random_sample(x.shape) > self.ratio
             # inverted dropout: scale at train time, identity at test time
-            mask = self.xp.asarray(keep.astype(self.dtype) / (1.0 - self.ratio))
+            mask = kernels.dropout_mask(self.xp, x.shape, self.ratio, self.dtype)
             self._mask = mask
             return x * mask
         self._mask = None
