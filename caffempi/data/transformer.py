@@ -58,6 +58,8 @@ class DataTransformer:
         """``param`` is a caffe_pb2.TransformationParameter; ``where`` prefixes errors."""
         self.where = where
         self.phase = phase
+        # batch allocation: GPU nets swap in pinned host memory
+        self.empty = np.empty
         self.scale = np.float32(param.scale)
         self.mirror = bool(param.mirror)
         self.crop_size = int(param.crop_size)
@@ -143,7 +145,7 @@ class DataTransformer:
             else:
                 hoff = np.full(n, (h - cs) // 2)
                 woff = np.full(n, (w - cs) // 2)
-        out = np.empty((n,) + oc, np.float32)
+        out = self.empty((n,) + oc, np.float32)
         if not cs:
             out[...] = x
             if self.mean is not None:

@@ -90,7 +90,18 @@ class _BatchDataLayer(Layer):
         if self._prefetcher is None or not self._prefetcher.running:
             self._prefetcher = self._make_prefetcher()
             self._prefetcher.start(self._batch)
-        data, labels = self._prefetcher.next()
+            self._uploader = None
+        if self.xp is np:
+            data, labels = self._prefetcher.next()
+        else:
+            # GPU: the workers fill pinned host batches (transformer.empty)
+            # and the next batch's upload runs on a side stream during this
+            # iteration's compute
+            from ..backend import gpu
+            self.transformer.empty = gpu.empty_pinned
+            if self._uploader is None:
+                self._uploader = gpu.BatchUploader(self._prefetcher.next)
+            data, labels = self._uploader.next()
         self.wait_seconds += time.perf_counter() - t0
         self._batch += 1
         self._set_tops(top, data, labels)
