@@ -146,11 +146,15 @@ def get_stages(flags):
     return [s for s in flags.stage.split(",") if s] if flags.stage else []
 
 
-def select_backend(flags, solver_param=None):
+def select_backend(flags, solver_param=None, world=None):
     """The array module for this run: CuPy on --gpu (or solver_mode: GPU
-    when CuPy works), else NumPy."""
+    when CuPy works), else NumPy.  Under mpirun, ``--gpu=all`` or a list of
+    ids gives each rank the GPU of its local rank (the ranks on its host,
+    MPI's shared-memory split): all GPUs, or the list's entry, round robin.
+    A single id puts every rank on that GPU."""
     import numpy as np
     from .backend import cupy_or_none
+    local_rank = world.local_rank()[0] if world is not None else 0
     gpu = flags.gpu
     if not gpu and solver_param is not None and solver_param.HasField("solver_mode") \
             and solver_param.solver_mode == solver_param.GPU:
@@ -163,16 +167,20 @@ def select_backend(flags, solver_param=None):
     cp = cupy_or_none()
     if cp is None:
         raise CaffeError("--gpu=%s: no usable GPU (CuPy with a working CUDA device is required)" % gpu)
+    try:
+        count = cp.cuda.runtime.getDeviceCount()
+    except Exception as e:
+        raise CaffeError("--gpu=%s: no usable GPU (%s)" % (gpu, e)) from None
     if gpu == "all":
-        device = 0
+        ids = list(range(count))
     else:
         try:
             ids = [int(g) for g in gpu.split(",") if g]
         except ValueError:
             raise CaffeError("invalid --gpu value '%s' (device ids separated by ',' or 'all')" % gpu) from None
-        if len(ids) > 1:
-            log.warning("one process uses one GPU; using device %d (run one MPI rank per GPU)", ids[0])
-        device = ids[0]
+    device = ids[local_rank % len(ids)] if ids else -1
+    if not 0 <= device < count:
+        raise CaffeError("--gpu=%s: no GPU %d (this host has %d)" % (gpu, device, count))
     cp.cuda.Device(device).use()
     log.info("Using GPU %d", device)
     return cp
@@ -235,12 +243,12 @@ def train(flags):
     del param.weights[:]
     if flags.weights and not flags.snapshot:
         param.weights.append(flags.weights)
-    xp = select_backend(flags, param)
     # Under mpirun: MPI, per-rank logging, abort on any rank's error, the
     # gradient reducer.  Without a launcher: one process, no MPI import.
     from .parallel.launch import setup_parallel
-    _, reducer = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
-                                debug=flags.debug)
+    world, reducer = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
+                                    debug=flags.debug)
+    xp = select_backend(flags, param, world)
     handler = SignalHandler(flags.sigint_effect, flags.sighup_effect)
     try:
         solver = get_solver(param, xp=xp, source=flags.solver, reducer=reducer, memory=flags.memory)

@@ -9,6 +9,7 @@ launcher variable is visible (e.g. a singleton MPI run).
 
 Layers and solvers never talk to MPI; only caffempi.parallel does.
 """
+import contextlib
 import os
 import sys
 
@@ -91,6 +92,10 @@ class SingleWorld:
         import socket
         return socket.gethostname()
 
+    def local_rank(self):
+        """(rank, size) among the ranks on this host."""
+        return 0, 1
+
     def library_version(self):
         return "no MPI (single process)"
 
@@ -114,12 +119,14 @@ class MPIWorld(SingleWorld):
 
     def bcast_array(self, arr, root=0):
         if arr.size:
-            self.comm.Bcast(_host(arr), root=root)
+            with _host(arr) as h:
+                self.comm.Bcast(h, root=root)
         return arr
 
     def allreduce_sum(self, arr):
         if arr.size:
-            self.comm.Allreduce(self.MPI.IN_PLACE, _host(arr), op=self.MPI.SUM)
+            with _host(arr) as h:
+                self.comm.Allreduce(self.MPI.IN_PLACE, h, op=self.MPI.SUM)
         return arr
 
     def allreduce_scalars(self, values, op="sum"):
@@ -150,14 +157,31 @@ class MPIWorld(SingleWorld):
     def processor_name(self):
         return self.MPI.Get_processor_name()
 
+    def local_rank(self):
+        """(rank, size) in the shared-memory split of COMM_WORLD: the ranks
+        on this host, as MPI sees them (one GPU per local rank)."""
+        if not hasattr(self, "_local"):
+            node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+            self._local = (node.Get_rank(), node.Get_size())
+            node.Free()
+        return self._local
+
     def library_version(self):
         return self.MPI.Get_library_version().strip().splitlines()[0]
 
 
+@contextlib.contextmanager
 def _host(arr):
-    if not isinstance(arr, np.ndarray) or not (arr.flags.c_contiguous or arr.flags.f_contiguous):
-        raise TypeError("MPI host transport needs a contiguous NumPy array, got %s" % type(arr))
-    return arr
+    """A contiguous host array for an MPI call on ``arr``: the array itself,
+    or for a device (CuPy) array a host copy that is copied back after."""
+    if isinstance(arr, np.ndarray):
+        if not (arr.flags.c_contiguous or arr.flags.f_contiguous):
+            raise TypeError("MPI needs a contiguous array")
+        yield arr
+        return
+    h = arr.get()
+    yield h
+    arr.set(h)
 
 
 def get_world(async_progress=None):

@@ -179,9 +179,11 @@ class StopFlag:
 def add_parallel_flags(define_flag):
     """The data-parallel flags, defined through the CLI's define_flag."""
     from .reducer import DEFAULT_BUCKET_MB
-    define_flag("comm", "overlap", "Optional; MPI gradient averaging: overlap (Iallreduce per bucket "
-                "during backward, polled between layers), thread (a communication thread), async "
-                "(MPICH progress thread), nopoll, or blocking (one allreduce after backward).")
+    define_flag("comm", "auto", "Optional; gradient averaging: auto (nccl for GPU nets when NCCL can "
+                "join the ranks, else overlap), overlap (MPI Iallreduce per bucket during backward, "
+                "polled between layers), thread (a communication thread), async (MPICH progress "
+                "thread), nopoll, blocking (one allreduce after backward), or nccl (GPU: NCCL per "
+                "bucket on a side stream).")
     define_flag("bucket_mb", DEFAULT_BUCKET_MB, "Optional; allreduce bucket size in MB (whole layers, "
                 "reverse layer order; the first bucket is at most 1 MB).")
     define_flag("sync", "sgd", "Optional; sgd (average gradients every iteration) or easgd "
@@ -190,7 +192,7 @@ def add_parallel_flags(define_flag):
     define_flag("alpha", 0.2, "Optional; EASGD moving rate.")
 
 
-def setup_parallel(comm="overlap", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
+def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
                    level=logging.INFO):
     """Everything a rank does before building its solver: the world (MPI only
     under a launcher), per-rank logging, abort on errors, the reducer.

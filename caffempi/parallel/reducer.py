@@ -15,17 +15,22 @@ The network is reached only through a *transport* (the GPU seam):
     transport.poll()                           # give the MPI a chance to progress
     transport.wait(handle)
 
-``MPIHostTransport`` is the implementation for host (NumPy) buffers; a
-CUDA-aware MPI or NCCL transport for device buffers plugs in the same way.
+``MPIHostTransport`` is the implementation for host (NumPy) buffers; for
+device (CuPy) buffers, :mod:`caffempi.parallel.gpu_transport` has NCCL and
+MPI-through-pinned-host-copies.  The transport is chosen when the reducer
+meets the net, from ``--comm`` and the net's array module.
 
-Progress modes (``--comm``):
+Modes (``--comm``):
+  auto      the default: nccl for GPU nets when NCCL can join the ranks,
+            otherwise overlap
   blocking  one Allreduce of the whole gradient after backward (baseline)
-  overlap   Iallreduce per bucket, MPI_Testall between layers (default)
+  overlap   Iallreduce per bucket, MPI_Testall between layers
   thread    a communication thread runs a blocking Allreduce per bucket
             (MPI_THREAD_MULTIPLE; the GIL is released inside MPI and BLAS)
   async     Iallreduce per bucket, progress left to MPICH's own progress
             thread (MPIR_CVAR_ASYNC_PROGRESS=1, set before MPI_Init)
   nopoll    Iallreduce per bucket, no polling (shows what MPI does alone)
+  nccl      GPU nets: NCCL allreduce per bucket on a side stream
 """
 import queue
 import threading
@@ -33,9 +38,10 @@ import time
 
 import numpy as np
 
+from ..backend import to_numpy
 from ..common import CaffeError, log
 
-COMM_MODES = ("overlap", "blocking", "thread", "async", "nopoll")
+COMM_MODES = ("auto", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
 # Measured on this 2-core machine (benchmarks/scaling.py; README, "Scaling"):
 # LeNet's 1.7 MB of gradients in one or two buckets is best; 4 MB behaves the
 # same on CIFAR10-quick.  DDP's small first bucket starts the first message early.
@@ -59,6 +65,9 @@ class LocalTransport:
         pass
 
     def allreduce(self, buf):
+        pass
+
+    def backward_end(self):
         pass
 
     def close(self):
@@ -110,6 +119,9 @@ class MPIHostTransport:
             self.MPI.Request.Testall(self._pending)
         return req
 
+    def backward_end(self):
+        pass
+
     def poll(self):
         if self.mode == "overlap" and self._pending:
             if self.MPI.Request.Testall(self._pending):
@@ -157,12 +169,28 @@ class MPIHostTransport:
             self.comm = None
 
 
-def make_transport(world, mode="overlap"):
+def make_transport(world, mode="overlap", xp=np):
+    """The transport for ``--comm=mode`` and buffers of array module ``xp``
+    (collective: every rank must call it)."""
     if mode not in COMM_MODES:
         raise CaffeError("unknown --comm '%s' (one of %s)" % (mode, ", ".join(COMM_MODES)))
     if world.size == 1:
         return LocalTransport()
-    return MPIHostTransport(world, mode)
+    if xp is np:
+        if mode == "nccl":
+            raise CaffeError("--comm=nccl needs GPU nets (--gpu)")
+        return MPIHostTransport(world, "overlap" if mode == "auto" else mode)
+    from . import gpu_transport
+    if mode in ("auto", "nccl"):
+        reason = gpu_transport.nccl_unavailable_reason(world)
+        if reason is None:
+            return gpu_transport.NCCLTransport(world)
+        if mode == "nccl":
+            raise CaffeError("--comm=nccl: %s" % reason)
+        if world.rank == 0:
+            log.warning("NCCL not used (%s): gradients go through host memory and MPI", reason)
+        mode = "overlap"
+    return gpu_transport.StagedTransport(MPIHostTransport(world, mode))
 
 
 # -------------------------------------------------------------------- buckets
@@ -224,7 +252,7 @@ class Reducer:
         self.comm = comm if world.size > 1 else "local"
         self.bucket_mb = bucket_mb
         self.first_bucket_mb = first_bucket_mb
-        self.transport = transport or make_transport(world, comm)
+        self.transport = transport       # made in attach(), for the net's buffers
         self.iter_size = 1
         self.net = None
         self.buckets = []
@@ -257,11 +285,10 @@ class Reducer:
         self._top_layer = len(net.layers) - 1
         if not self.active:
             return
-        if not isinstance(net.param_diff, np.ndarray) and not getattr(self.transport, "device_buffers", False):
-            # the seam for the GPU issue: a transport with device_buffers = True
-            # (CUDA-aware MPI or NCCL) takes CuPy buffers; this one is host-only
-            raise CaffeError("the %s transport needs host (NumPy) gradient buffers; GPU training on "
-                             "several ranks needs a CUDA-aware MPI or NCCL transport" % self.transport.name)
+        if self.transport is None:
+            self.transport = make_transport(self.world, self.comm, net.xp)
+        if not isinstance(net.param_diff, np.ndarray) and not self.transport.device_buffers:
+            raise CaffeError("the %s transport needs host (NumPy) gradient buffers" % self.transport.name)
         if self.comm != "blocking":
             self.buckets = make_buckets(net, self.bucket_mb, self.first_bucket_mb)
             self._ready = {b[0]: k for k, b in enumerate(self.buckets)}
@@ -284,7 +311,8 @@ class Reducer:
 
     def close(self):
         self.detach()
-        self.transport.close()
+        if self.transport is not None:
+            self.transport.close()
 
     # ------------------------------------------------------------ iteration
     def start_iteration(self, net, iter_size=None):
@@ -321,6 +349,7 @@ class Reducer:
         """Wait for the sums, scale by 1/N; returns the exposed seconds."""
         t0 = time.perf_counter()
         if self.active:
+            self.transport.backward_end()
             if self.comm == "blocking":
                 self.transport.allreduce(net.param_diff)
             else:
@@ -440,7 +469,8 @@ class Reducer:
         """True when every rank holds the same weights (a debugging aid)."""
         if not self.active:
             return True
-        h = float(np.sum(net.param_data.astype(np.float64) * (1 + np.arange(net.param_data.size) % 7)))
+        w = to_numpy(net.param_data).astype(np.float64)
+        h = float(np.sum(w * (1 + np.arange(w.size) % 7)))
         lo = self.world.allreduce_scalars([h], "min")[0]
         hi = self.world.allreduce_scalars([h], "max")[0]
         return lo == hi
