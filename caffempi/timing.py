@@ -95,6 +95,11 @@ def time_net(net, iterations=50, report=log.info, measure_memory=True):
     report("*** Benchmark begins ***")
     report("Testing for %d iterations.", iterations)
     steps = []
+    pool = _gpu_memory_pool(net.xp)
+    if pool is not None:
+        # the pool keeps what it allocates: after the run its size is the
+        # most the iterations needed at once (plus fragmentation)
+        pool.free_all_blocks()
     t_all = time.perf_counter()
     for it in range(iterations):
         t_iter = time.perf_counter()
@@ -129,6 +134,9 @@ def time_net(net, iterations=50, report=log.info, measure_memory=True):
     report("Average Backward pass: %.6g ms.", result["backward_ms"])
     report("Average Forward-Backward: %.6g ms.", total / iterations * 1e3)
     report("Total Time: %.6g ms.", total * 1e3)
+    if pool is not None:
+        result["gpu_pool_peak_bytes"] = pool.total_bytes()
+        report("Peak GPU memory (CuPy pool): %.1f MB", pool.total_bytes() / 2 ** 20)
     mem = net.memory_summary()
     for key, value in mem.items():
         report("Memory: %s = %d", key, value)
@@ -142,6 +150,10 @@ def time_net(net, iterations=50, report=log.info, measure_memory=True):
             report("Memory: %s = %d", key, peak[key])
     report("*** Benchmark ends ***")
     return result
+
+
+def _gpu_memory_pool(xp):
+    return None if xp is np else xp.get_default_memory_pool()
 
 
 def _parse_shape(text):
@@ -164,12 +176,8 @@ def time_command(flags):
     stages = [s for s in (getattr(flags, "stage", None) or "").split(",") if s]
     param = proto_io.read_net_param(model)
     param = substitute_data_layers(param, _parse_shape(getattr(flags, "data_shape", None)))
-    xp = np
-    if getattr(flags, "gpu", None) not in (None, "", -1):
-        from .backend import cupy_or_none
-        xp = cupy_or_none()
-        if xp is None:
-            raise CaffeError("--gpu needs CuPy and a CUDA device; CuPy is not installed")
+    from .cli import select_backend
+    xp = select_backend(flags)
     net = Net(param, phase=phase, level=int(getattr(flags, "level", 0) or 0), stages=stages,
               weights=getattr(flags, "weights", None) or None, xp=xp, source_name=model,
               memory=getattr(flags, "memory", None) or None)
@@ -179,7 +187,55 @@ def time_command(flags):
     return 0
 
 
+# Caffe's DeviceQuery lines: (label, cudaDeviceProp key, cudaDeviceAttr
+# number for keys that CUDA 13 dropped from the struct).
+_DEVICE_FIELDS = [
+    ("Major revision number", "major", 75), ("Minor revision number", "minor", 76),
+    ("Name", "name", None), ("Total global memory", "totalGlobalMem", None),
+    ("Total shared memory per block", "sharedMemPerBlock", 8),
+    ("Total registers per block", "regsPerBlock", 12), ("Warp size", "warpSize", 10),
+    ("Maximum memory pitch", "memPitch", 11), ("Maximum threads per block", "maxThreadsPerBlock", 1),
+    ("Maximum dimension of block", "maxThreadsDim", None),
+    ("Maximum dimension of grid", "maxGridSize", None), ("Clock rate", "clockRate", 13),
+    ("Total constant memory", "totalConstMem", 9), ("Texture alignment", "textureAlignment", 14),
+    ("Concurrent copy and execution", "deviceOverlap", 15),
+    ("Number of multiprocessors", "multiProcessorCount", 16),
+    ("Kernel execution timeout", "kernelExecTimeoutEnabled", 17),
+]
+_YES_NO = ("deviceOverlap", "kernelExecTimeoutEnabled")
+
+
 def device_query_command(flags):
-    """Entry point for `caffempi device_query`."""
-    raise CaffeError("device_query: GPU support is not built yet (CuPy backend pending); "
-                     "caffempi runs on the CPU")
+    """Entry point for `caffempi device_query --gpu=ID[,ID...]|all`: Caffe's
+    per-device property listing."""
+    from .backend import cupy_or_none
+    gpu = getattr(flags, "gpu", None) or ""
+    if not gpu:
+        raise CaffeError("device_query needs --gpu=ID (or all)")
+    cp = cupy_or_none()
+    if cp is None:
+        raise CaffeError("device_query: no usable GPU (CuPy with a working CUDA device is required)")
+    rt = cp.cuda.runtime
+    count = rt.getDeviceCount()
+    try:
+        ids = list(range(count)) if gpu == "all" else [int(g) for g in gpu.split(",") if g]
+    except ValueError:
+        raise CaffeError("invalid --gpu value '%s' (device ids separated by ',' or 'all')" % gpu) from None
+    for dev in ids:
+        if not 0 <= dev < count:
+            raise CaffeError("device_query: no GPU %d (this host has %d)" % (dev, count))
+        log.info("Querying GPUs %d", dev)
+        props = rt.getDeviceProperties(dev)
+        log.info("%-31s%d", "Device id:", dev)
+        for label, key, attr in _DEVICE_FIELDS:
+            value = props.get(key)
+            if value is None and attr is not None:
+                value = rt.deviceGetAttribute(attr, dev)
+            if isinstance(value, bytes):
+                value = value.decode(errors="replace")
+            elif isinstance(value, (tuple, list)):
+                value = ", ".join(str(v) for v in value)
+            elif key in _YES_NO:
+                value = "Yes" if value else "No"
+            log.info("%-31s%s", label + ":", value)
+    return 0
