@@ -76,9 +76,10 @@ def _pad(x, ph, pw):
     return out
 
 
-def _chunk(n, per_image_bytes):
-    """Images per chunk so that a chunk's column matrix stays in cache."""
-    return int(max(1, min(n, _COL_CHUNK_BYTES // max(per_image_bytes, 1))))
+def _chunk(n, per_image_bytes, limit=_COL_CHUNK_BYTES):
+    """Images per chunk so that a chunk's column matrix stays under limit
+    (in cache, on the CPU)."""
+    return int(max(1, min(n, limit // max(per_image_bytes, 1))))
 
 
 def _is_pointwise(geom):

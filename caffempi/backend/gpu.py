@@ -19,7 +19,7 @@ import cupyx
 
 from ..common import rng
 from . import cudnn
-from .cpu import conv_out_size, dropout_scale
+from .cpu import _chunk, _is_pointwise, conv_out_size, dropout_scale
 
 # A chunk's column matrix is kept under this size: the whole batch's can be
 # gigabytes (AlexNet conv1 at batch 256: 1.1 GB) for no gain in GEMM speed.
@@ -72,15 +72,6 @@ _col2im = cp.ElementwiseKernel(
     """, "caffempi_col2im")
 
 
-def _chunk(n, per_image_bytes):
-    return int(max(1, min(n, _COL_CHUNK_BYTES // max(per_image_bytes, 1))))
-
-
-def _is_pointwise(geom):
-    kh, kw, sh, sw, ph, pw, dh, dw = geom
-    return kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
-
-
 def im2col(x, geom, oh, ow):
     """(C*kh*kw, N*oh*ow) column matrix of the unpadded batch ``x``."""
     n, c, h, w = x.shape
@@ -112,7 +103,7 @@ def im2col_conv2d_forward(x, w, geom, group, bias=None):
         return y
     y = cp.empty((n, o, oh, ow), x.dtype)
     p, k = oh * ow, c * kh * kw
-    nb = _chunk(n, k * p * x.itemsize)
+    nb = _chunk(n, k * p * x.itemsize, _COL_CHUNK_BYTES)
     for a in range(0, n, nb):
         m = min(nb, n - a)
         col = im2col(x[a:a + m], geom, oh, ow)
@@ -145,7 +136,7 @@ def im2col_conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_
     gw = cp.zeros((g, og, k // g), dy.dtype) if need_dw else None
     if not need_dw and not need_dx:
         return gx, gw
-    nb = _chunk(n, k * p * dy.itemsize)
+    nb = _chunk(n, k * p * dy.itemsize, _COL_CHUNK_BYTES)
     for a in range(0, n, nb):
         m = min(nb, n - a)
         # dy of the chunk with images inside the columns, as the col matrix
@@ -187,16 +178,31 @@ def bias_grad(dy):
 # --------------------------------------------------------------------- pooling
 _POOL_ARGS = "int32 h, int32 w, int32 oh, int32 ow, int32 kh, int32 kw, int32 sh, int32 sw, int32 ph, int32 pw"
 
-# Caffe's MaxPoolForward: the window clipped to the image, the first maximum
-# in raster order; idx is its h*W + w in the unpadded plane.
-_max_pool_fwd = cp.ElementwiseKernel(
-    "raw T x, " + _POOL_ARGS, "T y, int32 idx",
-    """
+# An output's window clipped to the image: rows [hs, he), columns [ws, we)
+# of the plane at src.
+_WINDOW = """
     const int xo = i % ow, yo = (i / ow) % oh;
     const long long plane = i / ((long long)oh * ow);
     const int hs = max(yo * sh - ph, 0), he = min(yo * sh - ph + kh, h);
     const int ws = max(xo * sw - pw, 0), we = min(xo * sw - pw + kw, w);
     const T* src = &x[plane * h * w];
+"""
+
+# An input pixel's covering windows: outputs [pys, pye) x [pxs, pxe) of the
+# output plane at base (the gather form of the backward).
+_COVERING = """
+    const int wi = i % w, hi = (i / w) % h;
+    const long long plane = i / ((long long)h * w);
+    const int pys = (hi + ph < kh) ? 0 : (hi + ph - kh) / sh + 1, pye = min((hi + ph) / sh + 1, oh);
+    const int pxs = (wi + pw < kw) ? 0 : (wi + pw - kw) / sw + 1, pxe = min((wi + pw) / sw + 1, ow);
+    const long long base = plane * oh * ow;
+"""
+
+# Caffe's MaxPoolForward: the window clipped to the image, the first maximum
+# in raster order; idx is its h*W + w in the unpadded plane.
+_max_pool_fwd = cp.ElementwiseKernel(
+    "raw T x, " + _POOL_ARGS, "T y, int32 idx",
+    _WINDOW + """
     T best = (T)__int_as_float(0xff800000);    // -inf
     int arg = hs * w + ws;
     for (int r = hs; r < he; ++r)
@@ -210,12 +216,7 @@ _max_pool_fwd = cp.ElementwiseKernel(
 # the windows that cover it and chose it.
 _max_pool_bwd = cp.ElementwiseKernel(
     "raw T dy, raw int32 idx, " + _POOL_ARGS, "T dx",
-    """
-    const int wi = i % w, hi = (i / w) % h;
-    const long long plane = i / ((long long)h * w);
-    const int pys = (hi + ph < kh) ? 0 : (hi + ph - kh) / sh + 1, pye = min((hi + ph) / sh + 1, oh);
-    const int pxs = (wi + pw < kw) ? 0 : (wi + pw - kw) / sw + 1, pxe = min((wi + pw) / sw + 1, ow);
-    const long long base = plane * oh * ow;
+    _COVERING + """
     const int me = hi * w + wi;
     T s = 0;
     for (int py = pys; py < pye; ++py)
@@ -235,12 +236,7 @@ _AVE_DIVISOR = """
 
 _ave_pool_fwd = cp.ElementwiseKernel(
     "raw T x, " + _POOL_ARGS, "T y",
-    """
-    const int xo = i % ow, yo = (i / ow) % oh;
-    const long long plane = i / ((long long)oh * ow);
-    const int hs = max(yo * sh - ph, 0), he = min(yo * sh - ph + kh, h);
-    const int ws = max(xo * sw - pw, 0), we = min(xo * sw - pw + kw, w);
-    const T* src = &x[plane * h * w];
+    _WINDOW + """
     T s = 0;
     for (int r = hs; r < he; ++r)
         for (int q = ws; q < we; ++q)
@@ -250,12 +246,7 @@ _ave_pool_fwd = cp.ElementwiseKernel(
 
 _ave_pool_bwd = cp.ElementwiseKernel(
     "raw T dy, " + _POOL_ARGS, "T dx",
-    """
-    const int wi = i % w, hi = (i / w) % h;
-    const long long plane = i / ((long long)h * w);
-    const int pys = (hi + ph < kh) ? 0 : (hi + ph - kh) / sh + 1, pye = min((hi + ph) / sh + 1, oh);
-    const int pxs = (wi + pw < kw) ? 0 : (wi + pw - kw) / sw + 1, pxe = min((wi + pw) / sw + 1, ow);
-    const long long base = plane * oh * ow;
+    _COVERING + """
     T s = 0;
     for (int py = pys; py < pye; ++py)
         for (int px = pxs; px < pxe; ++px)
