@@ -113,19 +113,6 @@ def broadcast_weights(net, world=None, root=0):
         world.bcast_array(net.param_data, root)
 
 
-def broadcast_arrays(arrays, world=None, root=0):
-    """Broadcast a list of contiguous arrays (e.g. solver history) in place."""
-    world = world or get_world()
-    if world.size > 1:
-        for a in arrays:
-            world.bcast_array(a, root)
-
-
-def broadcast_object(obj, world=None, root=0):
-    world = world or get_world()
-    return world.bcast(obj, root) if world.size > 1 else obj
-
-
 def check_same_net(net, world=None):
     """Every rank must have built the same parameter layout."""
     world = world or get_world()

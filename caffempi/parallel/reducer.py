@@ -412,6 +412,14 @@ class Reducer:
             return [obj]
         return self.world.comm.gather(obj, root=0)
 
+    def broadcast_object(self, obj):
+        return self.world.bcast(obj, 0) if self.active else obj
+
+    def broadcast_arrays(self, arrays):
+        if self.active:
+            for a in arrays:
+                self.world.bcast_array(a, 0)
+
     def split_test_iters(self, n):
         return self.test_share(n)
 

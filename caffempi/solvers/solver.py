@@ -93,6 +93,12 @@ class LocalReducer:
         value on other ranks): the data position and random state of every
         rank go into the snapshot, so a resume with the same number of ranks
         is exact.
+    ``broadcast_object(obj)`` -> object
+        Rank 0's picklable ``obj`` on every rank.
+    ``broadcast_arrays(arrays)``
+        Make every rank's flat buffers (weights, history) rank 0's, in place.
+        With the two above, only rank 0 reads ``--weights`` and
+        ``--snapshot`` files, so they need to exist on its host alone.
     """
 
     rank = 0
@@ -130,6 +136,12 @@ class LocalReducer:
 
     def gather_object(self, obj):
         return [obj]
+
+    def broadcast_object(self, obj):
+        return obj
+
+    def broadcast_arrays(self, arrays):
+        pass
 
 
 # -------------------------------------------------------------- solver files
@@ -225,11 +237,12 @@ class Solver:
         names = list(param.weights)
         if weights:
             names += [weights] if isinstance(weights, str) else list(weights)
-        for entry in names:
-            for w in str(entry).split(","):
-                if w:
-                    self._info("Finetuning from %s", w)
-                    self._load_weights(w)
+        files = [w for entry in names for w in str(entry).split(",") if w]
+        for w in files:
+            self._info("Finetuning from %s", w)
+            self._on_root(self._load_weights, w)
+        if files:
+            self.reducer.broadcast_arrays([self.net.param_data])
         for tn in self.test_nets:
             tn.share_weights(self.net)
         self.test_scores = [[] for _ in self.test_nets]
@@ -240,6 +253,23 @@ class Solver:
     @property
     def is_root(self):
         return self.reducer.rank == 0
+
+    def _on_root(self, fn, *args):
+        """fn(*args) on rank 0 alone, its result on every rank: files that
+        only rank 0 reads (weights, snapshots) need not exist on the other
+        hosts.  A CaffeError on rank 0 is raised on every rank together."""
+        if self.reducer.size == 1:
+            return fn(*args)
+        outcome = None
+        if self.is_root:
+            try:
+                outcome = (True, fn(*args))
+            except CaffeError as e:
+                outcome = (False, str(e))
+        ok, value = self.reducer.broadcast_object(outcome)
+        if not ok:
+            raise AgreedError(value)
+        return value
 
     def _info(self, msg, *args):
         if self.is_root:
@@ -780,8 +810,19 @@ class Solver:
     def restore(self, path):
         """Resume from a .solverstate (binary, ours or Caffe's) or a
         .solverstate.h5: iteration, weights (learned_net), history,
-        current_step and, from our snapshots, data position and random state."""
+        current_step and, from our snapshots, data position and random state.
+        Rank 0 reads the files and sends the other ranks their part."""
         path = os.fspath(path)
+        it, step, extra = self._on_root(self._load_state, path)
+        self.reducer.broadcast_arrays([self.net.param_data] + list(self.history))
+        self.iter = it
+        self.current_step = step
+        if extra:
+            self._restore_extra(json.loads(extra), path)
+
+    def _load_state(self, path):
+        """Read a solver state into this rank's weights and history; returns
+        (iter, current_step, our JSON extra or None)."""
         if not os.path.exists(path):
             raise CaffeError("solver state file %s does not exist" % path)
         if path.endswith(".h5"):
@@ -802,10 +843,7 @@ class Solver:
             except ProtoError as e:
                 raise CaffeError("%s (learned_net of %s)" % (e, path)) from None
         self._restore_history(hist, path)
-        self.iter = int(it)
-        self.current_step = int(step)
-        if extra:
-            self._restore_extra(json.loads(extra), path)
+        return int(it), int(step), extra
 
     def _find_learned_net(self, learned, state_path):
         if os.path.exists(learned):

@@ -75,6 +75,30 @@ def test_resume_on_two_ranks(data_dir):
     a, b = np.load(full), np.load(resumed)
     assert int(b["iter"]) == 6
     np.testing.assert_allclose(b["w"], a["w"], rtol=0, atol=1e-6)
+    # Rank 1 works in a directory without the snapshot (a host that does not
+    # share rank 0's file system): rank 0 reads it and sends rank 1 its part.
+    elsewhere = data_dir / "elsewhere"
+    elsewhere.mkdir(exist_ok=True)
+    apart = data_dir / "apart.npz"
+    mpirun(2, [W, data_dir, 12, 6, "prefix=rs3", "resume=%s" % state.name, "out=%s" % apart,
+               "other_cwd=%s" % elsewhere], cwd=data_dir)
+    np.testing.assert_array_equal(np.load(apart)["w"], b["w"])
+    # finetuning likewise reads the weights on rank 0 alone
+    outs = []
+    for k, extra in enumerate(([], ["other_cwd=%s" % elsewhere])):
+        outs.append(data_dir / ("ft%d.npz" % k))
+        mpirun(2, [W, data_dir, 12, 2, "prefix=ft%d" % k, "weights=rs_iter_3.caffemodel",
+                   "out=%s" % outs[-1]] + extra, cwd=data_dir)
+    np.testing.assert_array_equal(np.load(outs[0])["w"], np.load(outs[1])["w"])
+
+
+@needs_mpi
+def test_missing_snapshot_on_rank0_stops_every_rank_with_one_error(data_dir):
+    p = mpirun(2, [W, data_dir, 12, 6, "prefix=ms", "resume=no_such.solverstate"], cwd=data_dir,
+               check=False)
+    assert p.returncode == 1
+    assert p.stderr.count("solver state file no_such.solverstate does not exist") == 1, p.stderr
+    assert "[rank" not in p.stderr and "Abort" not in p.stderr, p.stderr
 
 
 @needs_mpi

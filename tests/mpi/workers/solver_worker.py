@@ -2,7 +2,9 @@
 does under mpiexec: setup_parallel, the solver with our reducer, solve.
 
 usage: solver_worker.py DIR GLOBAL_BATCH MAX_ITER [key=value ...]
-keys: comm, snapshot (interval), resume (solverstate), fail_rank, fail_iter,
+keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
+      finetune from), other_cwd (ranks but 0 work in this directory, as on a
+      host that does not share rank 0's files), fail_rank, fail_iter,
       fail_kind (raise|nan|kill|snapshot), sync, tau, test_interval, after_train
       (0: no snapshot_after_train),
       out (npz written by rank 0), each (npz path with %d: every rank writes its
@@ -80,7 +82,9 @@ def main():
             "snapshot": int(kw.get("snapshot", 0)),
             "prefix": os.path.join(d, kw.get("prefix", "snap"))}, p)
         p.snapshot_after_train = kw.get("after_train", "1") != "0"
-        solver = get_solver(p, reducer=reducer)
+        if kw.get("other_cwd") and world.rank:
+            os.chdir(kw["other_cwd"])
+        solver = get_solver(p, reducer=reducer, weights=kw.get("weights"))
         fail_rank = int(kw.get("fail_rank", -1))
         fail_iter = int(kw.get("fail_iter", -1))
         kind = kw.get("fail_kind", "raise")
