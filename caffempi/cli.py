@@ -364,13 +364,14 @@ def _reexec_for_heap_hugepages():
     """As a command (not when called with argv from Python), restart once
     with glibc's huge-page heap setting, which only works from process start
     (see memory.hugepage_heap_env); under mpirun each rank does it in place
-    (exec keeps the pid and the launcher's connection)."""
+    (exec keeps the pid and the launcher's connection).  The command line
+    is the original one, interpreter options (-X, -W, -u ...) included."""
     from .memory import hugepage_heap_env
     env = hugepage_heap_env(os.environ)
     if env is None:
         return
     try:
-        os.execve(sys.executable, [sys.executable, "-m", "caffempi"] + sys.argv[1:], env)
+        os.execve(sys.executable, [sys.executable] + sys.orig_argv[1:], env)
     except OSError:
         pass     # run on without it
 

@@ -183,9 +183,12 @@ def test_cli_reexecs_as_a_command_only(monkeypatch):
     monkeypatch.delenv("GLIBC_TUNABLES", raising=False)
     monkeypatch.delenv("CAFFEMPI_MALLOC_TUNE", raising=False)
     monkeypatch.setattr(sys, "argv", ["caffempi", "--help"])
+    monkeypatch.setattr(sys, "orig_argv", ["python3", "-X", "dev", "-m", "caffempi", "--help"])
     assert cli.main(["--help"]) == 0             # called from Python with argv: no exec
     assert calls == []
     assert cli.main() == 0                        # as the command: exec (stubbed here), then runs on
     if sys.platform.startswith("linux"):
-        assert calls == [(sys.executable, [sys.executable, "-m", "caffempi", "--help"], calls[0][2])]
+        # the same command line, the interpreter's options kept
+        assert calls == [(sys.executable, [sys.executable, "-X", "dev", "-m", "caffempi", "--help"],
+                          calls[0][2])]
         assert "glibc.malloc.hugetlb=1" in calls[0][2]["GLIBC_TUNABLES"]
