@@ -5,7 +5,7 @@ import numpy as np
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
 from .blob import Blob
-from .common import CaffeError, TRAIN, TEST, PHASE_NAMES, log
+from .common import CaffeError, TRAIN, TEST, PHASE_NAMES, get_rng_state, log, set_rng_state
 from .io import proto_io
 from .layers.base import create_layer
 from .proto import caffe_pb2
@@ -434,13 +434,31 @@ class Net:
         raise KeyError(name)
 
     def first_nonfinite_layer(self):
-        """Name of the first layer with a non-finite top value, or None."""
+        """Name of the first layer whose forward output is not finite, or None
+        (where a diverged training step went wrong).
+
+        The tops a pass left behind do not tell: in-place layers overwrite
+        their input, and with memory reuse most tops are freed or hold other
+        blobs' storage by now.  So the forward runs again, each layer's tops
+        checked as it finishes, from the kept tops of the data layers (which
+        are not run again: they would read the next batch).  The parameters
+        (BatchNorm's running sums) and the random state (Dropout's draws) are
+        restored afterwards."""
         xp = self.xp
-        for i, tops in enumerate(self.top_vecs):
-            for t in tops:
-                if t.count and not bool(xp.isfinite(t.data).all()):
+
+        def nonfinite(i):
+            return any(t.count and not bool(xp.isfinite(t.data).all()) for t in self.top_vecs[i])
+        saved, rng_state = self.param_data.copy(), get_rng_state()
+        try:
+            for i in range(len(self.layers)):
+                if self.bottom_names[i]:
+                    self.forward_range(i, i)
+                if nonfinite(i):
                     return self.layer_names[i]
-        return None
+            return None
+        finally:
+            self.param_data[...] = saved
+            set_rng_state(rng_state)
 
     # ------------------------------------------------------------ weights I/O
     def copy_from(self, path_or_param):

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from caffempi import CaffeError, Net, TEST, TRAIN, set_random_seed
+from caffempi.common import get_rng_state
 from caffempi.memory import measure, training_variant
 from caffempi.timing import randomize_inputs, time_net
 
@@ -192,3 +193,49 @@ def test_cli_reexecs_as_a_command_only(monkeypatch):
         assert calls == [(sys.executable, [sys.executable, "-X", "dev", "-m", "caffempi", "--help"],
                           calls[0][2])]
         assert "glibc.malloc.hugetlb=1" in calls[0][2]["GLIBC_TUNABLES"]
+
+
+DIVERGING = """
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 4 dim: 2 dim: 6 dim: 6 } shape { dim: 4 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 3 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "relu" type: "ReLU" bottom: "conv" top: "conv" }
+layer { name: "bn" type: "BatchNorm" bottom: "conv" top: "bn" }
+layer { name: "ip1" type: "InnerProduct" bottom: "bn" top: "ip1"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "relu2" type: "ReLU" bottom: "ip1" top: "ip1" }
+layer { name: "drop" type: "Dropout" bottom: "ip1" top: "ip1" }
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 3 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("mode", MODES)
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+def test_first_nonfinite_layer_after_a_pass_in_every_mode(mode):
+    """After a diverged forward and backward, the layer named is the one
+    whose output first went non-finite, though in-place layers and freed
+    storage have changed the tops since; asking changes no parameter."""
+    set_random_seed(3)
+    net = Net(net_param(DIVERGING), phase=TRAIN, memory=mode)
+    net.blobs["data"].data[...] = np.random.RandomState(0).randn(4, 2, 6, 6)
+    net.blobs["label"].data[...] = [0, 1, 2, 1]
+
+    def run():
+        net.clear_param_diffs()
+        loss = net.forward_range()
+        net.backward_range()
+        return loss
+    assert np.isfinite(run()) and net.first_nonfinite_layer() is None
+    net.params["ip1"][0].data[0, 0] = np.inf          # ip1's outputs become infinite
+    assert not np.isfinite(run())
+    before, rng_before = net.param_data.copy(), get_rng_state()
+    assert net.first_nonfinite_layer() == "ip1"
+    np.testing.assert_array_equal(net.param_data, before)      # BatchNorm's sums untouched
+    assert str(get_rng_state()) == str(rng_before)            # nor Dropout's random state
+    net.params["ip1"][0].data[0, 0] = 0
+    net.blobs["data"].data[0, 0, 0, 0] = np.nan       # bad input: the data layer is named
+    run()
+    assert net.first_nonfinite_layer() == "data"
