@@ -5,7 +5,7 @@ import numpy as np
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
 from .blob import Blob
-from .common import CaffeError, TRAIN, TEST, PHASE_NAMES, get_rng_state, log, set_rng_state
+from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
 from .layers.base import create_layer
 from .proto import caffe_pb2

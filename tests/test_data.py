@@ -3,7 +3,6 @@ threaded per-rank LMDB reader (sharding, resume, errors), the DataTransformer,
 and the ImageData / HDF5Data / MemoryData layers."""
 import io
 import json
-import os
 import struct
 import threading
 import time
@@ -488,13 +487,15 @@ def test_hdf5_data_sample_file(tmp_path):
         data, label = np.asarray(f["data"]), np.asarray(f["label"])
     net = hdf5_net(str(lst), 4, ("data", "label"))
     assert net.blobs["data"].shape == (4, 8, 6, 5) and net.blobs["label"].shape == (4, 1)
-    out = []
+    rows, labels = [], []
     for _ in range(6):                                   # 24 rows: both files, then wrap
         net.forward()
-        out.append(net.blobs["data"].data.copy())
-    rows = np.concatenate(out)
-    allrows = np.concatenate([data, data])
-    np.testing.assert_array_equal(rows, allrows[np.arange(24) % 20])
+        rows.append(net.blobs["data"].data.copy())
+        labels.append(net.blobs["label"].data.copy())
+    order = np.arange(24) % 20
+    np.testing.assert_array_equal(np.concatenate(rows), np.concatenate([data, data])[order])
+    np.testing.assert_array_equal(np.concatenate(labels).reshape(-1),
+                                  np.concatenate([label, label]).reshape(-1)[order])
 
 
 def test_hdf5_data_shuffle_shard_and_errors(tmp_path):

@@ -14,7 +14,7 @@ import time
 
 import numpy as np
 
-from ..common import CaffeError, TRAIN, rng, log
+from ..common import CaffeError, rng, log
 from ..data import lmdb_io
 from ..data.datum import datum_to_array, parse_datum, pil_to_chw
 from ..data.image_list import read_image_list

@@ -1,7 +1,6 @@
 """The real solver under mpiexec: equivalence to one process (weights and
 distributed test scores), resume on 2 ranks, no hangs on failures, an agreed
 stop on a non-finite loss, and EASGD's centre in tests, snapshots and resume."""
-import re
 import sys
 import time
 

@@ -13,7 +13,6 @@ from caffempi.parallel.launch import install_abort_handlers
 def main(tau=3, alpha=0.2, steps=10):
     world = get_world()
     install_abort_handlers(world)
-    n = world.size
     w = np.linspace(-1, 1, 50).astype(np.float32)        # equal start on all ranks
     center = w.copy()
     ea = ElasticAverager(world, tau, alpha)
