@@ -54,7 +54,7 @@ def worker(args):
     from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
     from caffempi.parallel.reducer import Reducer
 
-    world = get_world(async_progress=(args.comm == "async"))
+    world = get_world(args.comm)
     install_abort_handlers(world)
     net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
     batch = net.blobs["data"].shape[0]

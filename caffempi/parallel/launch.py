@@ -187,7 +187,7 @@ def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, d
     from .reducer import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, COMM_MODES, Reducer
     if comm not in COMM_MODES:
         raise CaffeError("unknown --comm '%s' (one of %s)" % (comm, ", ".join(COMM_MODES)))
-    world = get_world(async_progress=(comm == "async"))
+    world = get_world(comm)
     init_rank_logging(world, level)
     install_abort_handlers(world, debug)
     if world.size > 1 and world.rank == 0:

@@ -487,5 +487,5 @@ class Reducer:
 def make_reducer(world=None, comm="overlap", bucket_mb=DEFAULT_BUCKET_MB,
                  first_bucket_mb=DEFAULT_FIRST_BUCKET_MB):
     from .comm import get_world
-    world = world or get_world(async_progress=(comm == "async"))
+    world = world or get_world(comm)
     return Reducer(world, comm, bucket_mb, first_bucket_mb)

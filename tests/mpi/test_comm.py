@@ -7,7 +7,7 @@ import numpy as np
 from caffempi.parallel.comm import SingleWorld, launched_by_mpi
 from caffempi.parallel.reducer import Reducer, make_buckets
 
-from .mpirun import env
+from .mpirun import env, mpirun, needs_mpi
 
 
 def test_no_mpi_import_without_launcher():
@@ -65,3 +65,14 @@ def test_single_process_reducer_is_identity():
     assert red.gather_object({"a": 1}) == [{"a": 1}]
     assert red.diverged_ranks(None) == []
     assert red.diverged_ranks({"loss": "nan"}) == [(0, {"loss": "nan"})]
+
+
+@needs_mpi
+def test_thread_level_follows_the_comm_mode():
+    """MPI_THREAD_MULTIPLE (a lock in every MPICH call) only for the
+    communication thread; the other modes call MPI from the main thread."""
+    code = ("import sys; from caffempi.parallel.comm import get_world; w = get_world(sys.argv[1]); "
+            "want = w.MPI.THREAD_MULTIPLE if sys.argv[1] == 'thread' else w.MPI.THREAD_FUNNELED; "
+            "assert w.size == 2 and w.thread_level == want, (sys.argv[1], w.thread_level)")
+    for comm in ("thread", "overlap", "blocking"):
+        mpirun(2, ["-c", code, comm])

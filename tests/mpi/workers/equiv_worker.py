@@ -18,7 +18,7 @@ from caffempi.parallel.reducer import Reducer  # noqa: E402
 
 
 def main(out, comm="overlap", global_b=12, steps=4, iter_size=1, bucket_mb="0.001", backend="cpu"):
-    world = get_world()
+    world = get_world(comm)
     install_abort_handlers(world)
     xp = np
     if backend == "gpu":
