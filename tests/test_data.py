@@ -555,3 +555,62 @@ def test_backend_defaults_to_lmdb_for_an_lmdb_source(small_db):
     net.forward()
     np.testing.assert_array_equal(net.blobs["data"].data, imgs[:2].astype(np.float32))
     close(net)
+
+
+# ---------------------------------------------------------- extract_features
+FEATURE_NET = """name: "feat"
+layer { name: "d" type: "Data" top: "data" top: "label"
+        transform_param { scale: 0.00390625 } data_param { source: "%s" batch_size: 4 backend: LMDB } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 2 kernel_size: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu" type: "ReLU" bottom: "ip" top: "ip" }
+"""
+
+
+def test_extract_features_writes_caffe_feature_databases(small_db, tmp_path):
+    from caffempi.tools import extract_features
+    source, imgs, _ = small_db
+    proto = tmp_path / "feat.prototxt"
+    proto.write_text(FEATURE_NET % source)
+    net = Net(str(proto), TEST)
+    weights = tmp_path / "feat.caffemodel"
+    net.save(str(weights))
+    # the reference: the same net's values, image by image (3 batches of 4 of the 13 records)
+    x = imgs[:12].astype(np.float32) * np.float32(0.00390625)
+    w, b = (p.data for p in net.params["conv"])
+    conv = np.stack([[sum(np.correlate(x[n, c, i + r], w[o, c, r], "valid") for c in range(3) for r in range(3))
+                      for i in range(4)] for n in range(12) for o in range(2)]).reshape(12, 2, 4, 3)
+    conv += b.reshape(1, 2, 1, 1)
+    wi, bi = (p.data for p in net.params["ip"])
+    ip = np.maximum(conv.reshape(12, -1) @ wi.T + bi, 0)
+    close(net)
+    dbs = [tmp_path / "conv_db", tmp_path / "ip_db"]
+    assert extract_features.main([str(weights), str(proto), "conv,ip", ",".join(map(str, dbs)), "3",
+                                  "lmdb"]) == 0
+    for db, ref, chw in ((dbs[0], conv, (2, 4, 3)), (dbs[1], ip, (3, 1, 1))):
+        records = lmdb_io.read_all(str(db))
+        assert [k for k, _ in records] == [b"%010d" % i for i in range(12)]
+        for i, (_, value) in enumerate(records):
+            d = parse_datum(value)
+            assert (d.channels, d.height, d.width) == chw and not d.data and not d.HasField("label")
+            np.testing.assert_allclose(d.float_data, ref[i].ravel(), rtol=1e-5, atol=1e-6)
+
+
+def test_extract_features_errors(small_db, tmp_path, capsys):
+    from caffempi.tools import extract_features
+    proto = tmp_path / "feat.prototxt"
+    proto.write_text(FEATURE_NET % small_db[0])
+    net = Net(str(proto), TEST)
+    weights = tmp_path / "feat.caffemodel"
+    net.save(str(weights))
+    close(net)
+    out = tmp_path / "out_db"
+    for args, msg in (([ "fc7", str(out)], "Unknown feature blob name fc7 in the network"),
+                      (["conv,ip", str(out)], "the number of blob names (2) and dataset names (1)"),
+                      (["conv", small_db[0]], "database already exists")):
+        assert extract_features.main([str(weights), str(proto)] + args + ["1", "lmdb"]) == 1
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err, err
+    assert not out.exists()

@@ -356,3 +356,74 @@ def test_non_legacy_shape_must_match_exactly():
     bp = proto_io.array_to_blob_proto(np.zeros((1, 4), np.float32))
     assert proto_io.legacy_shape_matches(bp, (1, 4))
     assert not proto_io.legacy_shape_matches(bp, (4,))
+
+
+# ------------------------------------------------------------ upgrade tools
+OLD_NET = """name: "old"
+input: "data" input_dim: 2 input_dim: 3 input_dim: 5 input_dim: 5
+layers { name: "conv" type: CONVOLUTION bottom: "data" top: "conv" blobs_lr: 1 blobs_lr: 2
+         convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
+layers { name: "relu" type: RELU bottom: "conv" top: "conv" }
+layers { name: "ip" type: INNER_PRODUCT bottom: "conv" top: "ip" weight_decay: 0
+         inner_product_param { num_output: 2 } }
+"""
+
+
+def test_upgrade_net_text_and_binary_tools(tmp_path):
+    from google.protobuf import text_format
+    from caffempi import Net, TEST
+    from caffempi.tools.upgrade_proto import upgrade_net_proto_binary, upgrade_net_proto_text
+    old = tmp_path / "old.prototxt"
+    old.write_text(OLD_NET)
+    new = tmp_path / "new.prototxt"
+    assert upgrade_net_proto_text([str(old), str(new)]) == 0
+    # the output is current-format text as written: no V1 layers, no net-level input
+    written = text_format.Parse(new.read_text(), caffe_pb2.NetParameter())
+    assert len(written.layers) == 0 and len(written.input) == 0 and len(written.input_dim) == 0
+    assert [(l.name, l.type) for l in written.layer] == [
+        ("input", "Input"), ("conv", "Convolution"), ("relu", "ReLU"), ("ip", "InnerProduct")]
+    assert list(written.layer[0].input_param.shape[0].dim) == [2, 3, 5, 5]
+    assert [p.lr_mult for p in written.layer[1].param] == [1, 2]
+    assert written.layer[3].param[0].decay_mult == 0
+    assert written == proto_io.read_net_param(old)          # what caffempi reads from the old file
+    # binary: a V1 .caffemodel keeps its weights
+    net = Net(str(old), phase=TEST)
+    net.params["conv"][0].data[...] = np.arange(108, dtype=np.float32).reshape(4, 3, 3, 3)
+    v1 = caffe_pb2.NetParameter()
+    for lp in net.to_proto().layer:
+        if lp.blobs:
+            v = v1.layers.add(name=lp.name, type=caffe_pb2.V1LayerParameter.CONVOLUTION
+                              if lp.type == "Convolution" else caffe_pb2.V1LayerParameter.INNER_PRODUCT)
+            v.blobs.extend(lp.blobs)
+    old_model, new_model = tmp_path / "old.caffemodel", tmp_path / "new.caffemodel"
+    old_model.write_bytes(v1.SerializeToString())
+    assert upgrade_net_proto_binary([str(old_model), str(new_model)]) == 0
+    up = proto_io.read_binary_proto(new_model, caffe_pb2.NetParameter)
+    assert len(up.layers) == 0 and [l.type for l in up.layer] == ["Convolution", "InnerProduct"]
+    fresh = Net(str(new), phase=TEST, weights=str(new_model))
+    for name in ("conv", "ip"):
+        for a, b in zip(fresh.params[name], net.params[name]):
+            np.testing.assert_array_equal(a.data, b.data)
+
+
+def test_upgrade_solver_tool_and_current_files(tmp_path, capsys):
+    from caffempi.tools.upgrade_proto import upgrade_net_proto_text, upgrade_solver_proto_text
+    old = tmp_path / "solver.prototxt"
+    old.write_text('net: "n.prototxt" base_lr: 0.1 solver_type: NESTEROV momentum: 0.9\n')
+    new = tmp_path / "solver_new.prototxt"
+    assert upgrade_solver_proto_text([str(old), str(new)]) == 0
+    s = proto_io.read_text_proto(new, caffe_pb2.SolverParameter, "solver")
+    assert s.type == "Nesterov" and not s.HasField("solver_type") and s.momentum == pytest.approx(0.9)
+    assert "already in latest" not in capsys.readouterr().err
+    # a current file is copied unchanged, and said to be current
+    again = tmp_path / "again.prototxt"
+    assert upgrade_solver_proto_text([str(new), str(again)]) == 0
+    assert "File already in latest proto format: %s" % new in capsys.readouterr().err
+    assert again.read_text() == new.read_text()
+    # bad input: one line naming file and line, status 1, nothing written
+    bad = tmp_path / "bad.prototxt"
+    bad.write_text('layer { name: "x" type: "ReLU" bogus: 1 }\n')
+    assert upgrade_net_proto_text([str(bad), str(tmp_path / "out.prototxt")]) == 1
+    err = capsys.readouterr().err
+    assert "bad.prototxt:1" in err and "bogus" in err
+    assert not (tmp_path / "out.prototxt").exists()

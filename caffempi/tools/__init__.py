@@ -1,3 +1,5 @@
 """Caffe's command-line data tools (convert_mnist_data, convert_cifar_data,
-convert_imageset, compute_image_mean) and log tools (parse_log,
-plot_training_log).  Each module has ``main(argv=None)``; ``tools/X.py`` runs it."""
+convert_imageset, compute_image_mean, extract_features), proto upgrade tools
+(upgrade_net_proto_text/_binary, upgrade_solver_proto_text) and log tools
+(parse_log, plot_training_log).  Each has a ``main(argv=None)`` (the upgrade
+tools one function each); ``tools/X.py`` runs it."""
