@@ -1,9 +1,12 @@
 """Net: a Caffe NetParameter turned into layers and blobs that run forward and
 backward (Caffe's Net::Init, with pycaffe-like access)."""
 from collections import OrderedDict
+import os
+
 import numpy as np
 
 from . import layers as _layers  # noqa: F401  (registers every layer type)
+from .backend import default_array_module
 from .blob import Blob
 from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
@@ -110,7 +113,11 @@ class Net:
     """
 
     def __init__(self, net, phase=TRAIN, level=0, stages=(), weights=None,
-                 xp=np, dtype=np.float32, source_name=None, data_shard=(0, 1), memory=None):
+                 xp=None, dtype=np.float32, source_name=None, data_shard=(0, 1), memory=None):
+        if isinstance(phase, (str, os.PathLike)):      # pycaffe's Net(model, weights, phase)
+            weights, phase, level = phase, level, 0
+        if xp is None:
+            xp = default_array_module()
         if isinstance(net, caffe_pb2.NetParameter):
             param = caffe_pb2.NetParameter()
             param.CopyFrom(net)

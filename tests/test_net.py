@@ -285,3 +285,30 @@ def test_v1_and_input_dim_nets_build():
     assert net.layer_names == ["input", "conv", "relu"]
     assert net.blobs["conv"].shape == (2, 2, 2, 2)
     assert net.param_lr_mults == [1, 2]
+
+
+def test_pycaffe_constructor_forms_and_modes(tmp_path, monkeypatch):
+    """caffe.Net(model, weights, phase) and Net(model, phase, weights=...)
+    build the same net; set_mode_cpu/gpu choose the array module of nets made
+    without ``xp``, and without a GPU set_mode_gpu says so."""
+    import caffempi
+    from caffempi import backend
+    model = tmp_path / "mlp.prototxt"
+    model.write_text(MLP)
+    set_random_seed(5)
+    src = Net(str(model), TRAIN)
+    src.params["ip1"][0].data[...] = 0.25
+    weights = tmp_path / "mlp.caffemodel"
+    src.save(str(weights))
+    a = Net(str(model), str(weights), TEST)                  # pycaffe's classic form
+    b = Net(str(model), TEST, weights=str(weights))
+    assert a.phase == b.phase == TEST
+    np.testing.assert_array_equal(a.param_data, b.param_data)
+    np.testing.assert_array_equal(a.param_data, src.param_data)
+    caffempi.set_mode_cpu()
+    assert Net(str(model), TEST).xp is np
+    monkeypatch.setattr(backend, "_cupy", False)             # as on a machine without CuPy
+    for fn, args in ((caffempi.set_mode_gpu, ()), (caffempi.set_device, (0,))):
+        with pytest.raises(CaffeError, match="no usable GPU"):
+            fn(*args)
+    assert Net(str(model), TEST).xp is np                    # the mode did not change

@@ -12,7 +12,7 @@ import numpy as np
 from google.protobuf import text_format
 
 from .. import common
-from ..backend import to_numpy
+from ..backend import default_array_module, to_numpy
 from ..common import AgreedError, CaffeError, TEST, TRAIN, log
 from ..io import proto_io
 from ..io.proto_io import ProtoError
@@ -213,7 +213,7 @@ class Solver:
             param = read_solver(source)
         self.param = param
         self.source = source
-        self.xp = xp if xp is not None else np
+        self.xp = xp if xp is not None else default_array_module()
         self.reducer = reducer if reducer is not None else LocalReducer()
         self.action_function = None
         self.requested_early_exit = False
