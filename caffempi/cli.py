@@ -153,7 +153,7 @@ def select_backend(flags, solver_param=None, world=None):
     MPI's shared-memory split): all GPUs, or the list's entry, round robin.
     A single id puts every rank on that GPU."""
     import numpy as np
-    from .backend import cupy_or_none
+    from .backend import check_device_id, cupy_or_none, parse_gpu_ids, usable_cupy
     local_rank = world.local_rank()[0] if world is not None else 0
     gpu = flags.gpu
     if not gpu and solver_param is not None and solver_param.HasField("solver_mode") \
@@ -164,23 +164,12 @@ def select_backend(flags, solver_param=None, world=None):
         gpu = str(solver_param.device_id)
     if not gpu:
         return np
-    cp = cupy_or_none()
-    if cp is None:
-        raise CaffeError("--gpu=%s: no usable GPU (CuPy with a working CUDA device is required)" % gpu)
-    try:
-        count = cp.cuda.runtime.getDeviceCount()
-    except Exception as e:
-        raise CaffeError("--gpu=%s: no usable GPU (%s)" % (gpu, e)) from None
-    if gpu == "all":
-        ids = list(range(count))
-    else:
-        try:
-            ids = [int(g) for g in gpu.split(",") if g]
-        except ValueError:
-            raise CaffeError("invalid --gpu value '%s' (device ids separated by ',' or 'all')" % gpu) from None
+    what = "--gpu=%s" % gpu
+    cp = usable_cupy(what)
+    count = cp.cuda.runtime.getDeviceCount()
+    ids = parse_gpu_ids(gpu, count)
     device = ids[local_rank % len(ids)] if ids else -1
-    if not 0 <= device < count:
-        raise CaffeError("--gpu=%s: no GPU %d (this host has %d)" % (gpu, device, count))
+    check_device_id(what, device, count)
     cp.cuda.Device(device).use()
     log.info("Using GPU %d", device)
     return cp

@@ -208,22 +208,14 @@ _YES_NO = ("deviceOverlap", "kernelExecTimeoutEnabled")
 def device_query_command(flags):
     """Entry point for `caffempi device_query --gpu=ID[,ID...]|all`: Caffe's
     per-device property listing."""
-    from .backend import cupy_or_none
+    from .backend import check_device_id, parse_gpu_ids, usable_cupy
     gpu = getattr(flags, "gpu", None) or ""
     if not gpu:
         raise CaffeError("device_query needs --gpu=ID (or all)")
-    cp = cupy_or_none()
-    if cp is None:
-        raise CaffeError("device_query: no usable GPU (CuPy with a working CUDA device is required)")
-    rt = cp.cuda.runtime
+    rt = usable_cupy("device_query").cuda.runtime
     count = rt.getDeviceCount()
-    try:
-        ids = list(range(count)) if gpu == "all" else [int(g) for g in gpu.split(",") if g]
-    except ValueError:
-        raise CaffeError("invalid --gpu value '%s' (device ids separated by ',' or 'all')" % gpu) from None
-    for dev in ids:
-        if not 0 <= dev < count:
-            raise CaffeError("device_query: no GPU %d (this host has %d)" % (dev, count))
+    for dev in parse_gpu_ids(gpu, count):
+        check_device_id("device_query", dev, count)
         log.info("Querying GPUs %d", dev)
         props = rt.getDeviceProperties(dev)
         log.info("%-31s%d", "Device id:", dev)

@@ -174,3 +174,21 @@ def test_sighup_snapshots_and_sigint_stops(workdir):
     assert "Optimization stopped early." in err
     snaps = sorted(p.name for p in workdir.glob("snap_iter_*.solverstate"))
     assert len(snaps) == 2, snaps   # SIGHUP's, then the stop's (snapshot_after_train)
+
+
+def test_gpu_flag_parsing_and_errors_without_a_gpu(monkeypatch):
+    """--gpu's ids and its errors, shared by train/test/time, device_query and
+    pycaffe's set_device; here as on a machine without CuPy."""
+    from caffempi import backend
+    from caffempi.cli import main
+    assert backend.parse_gpu_ids("all", 3) == [0, 1, 2]
+    assert backend.parse_gpu_ids("1,2", 3) == [1, 2]
+    with pytest.raises(CaffeError, match="invalid --gpu value 'x'"):
+        backend.parse_gpu_ids("x", 3)
+    with pytest.raises(CaffeError, match="device_query: no GPU 4 \\(this host has 2\\)"):
+        backend.check_device_id("device_query", 4, 2)
+    monkeypatch.setattr(backend, "_cupy", False)
+    for argv, what in ((["device_query", "--gpu=0"], "device_query"),
+                       (["test", "--model=m.prototxt", "--weights=w.caffemodel", "--gpu=all"], "--gpu=all")):
+        with pytest.raises(CaffeError, match="%s: no usable GPU" % what):
+            main(argv + ["--debug"])

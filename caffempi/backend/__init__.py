@@ -18,15 +18,36 @@ def cupy_or_none():
     return _cupy or None
 
 
-def _usable_cupy(what):
-    cp = cupy_or_none()
-    try:
-        if cp is not None and cp.cuda.runtime.getDeviceCount() > 0:
-            return cp
-    except Exception:
-        pass
+def usable_cupy(what):
+    """The cupy module when it loads and sees a CUDA device, else a
+    CaffeError starting with ``what``."""
     from ..common import CaffeError
-    raise CaffeError("%s: no usable GPU (CuPy with a working CUDA device is required)" % what)
+    cp = cupy_or_none()
+    reason = "CuPy with a working CUDA device is required"
+    if cp is not None:
+        try:
+            if cp.cuda.runtime.getDeviceCount() > 0:
+                return cp
+        except Exception as e:      # no driver, or no device visible
+            reason = str(e)
+    raise CaffeError("%s: no usable GPU (%s)" % (what, reason))
+
+
+def parse_gpu_ids(spec, count):
+    """``--gpu``'s value: ``all`` (the ``count`` devices) or ids separated by ','."""
+    if spec == "all":
+        return list(range(count))
+    try:
+        return [int(g) for g in spec.split(",") if g]
+    except ValueError:
+        from ..common import CaffeError
+        raise CaffeError("invalid --gpu value '%s' (device ids separated by ',' or 'all')" % spec) from None
+
+
+def check_device_id(what, device, count):
+    if not 0 <= device < count:
+        from ..common import CaffeError
+        raise CaffeError("%s: no GPU %d (this host has %d)" % (what, device, count))
 
 
 def set_mode_cpu():
@@ -40,16 +61,13 @@ def set_mode_gpu():
     """pycaffe's ``caffe.set_mode_gpu()``: nets and solvers made without
     ``xp`` compute with CuPy on the current device (:func:`set_device`)."""
     global _default
-    _default = _usable_cupy("set_mode_gpu")
+    _default = usable_cupy("set_mode_gpu")
 
 
 def set_device(device_id):
     """pycaffe's ``caffe.set_device(id)``: the GPU that CuPy uses from now on."""
-    cp = _usable_cupy("set_device")
-    count = cp.cuda.runtime.getDeviceCount()
-    if not 0 <= int(device_id) < count:
-        from ..common import CaffeError
-        raise CaffeError("set_device: no GPU %d (this host has %d)" % (device_id, count))
+    cp = usable_cupy("set_device")
+    check_device_id("set_device", int(device_id), cp.cuda.runtime.getDeviceCount())
     cp.cuda.Device(int(device_id)).use()
 
 
