@@ -17,6 +17,7 @@ setup(
         "tqdm>=4.60",
         "matplotlib>=3.7",
         "mpi4py>=4.0",
+        "threadpoolctl>=3.1",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "scipy>=1.11"],

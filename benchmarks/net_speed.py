@@ -12,6 +12,7 @@ load).  Prints one table per net and thread count, plus a summary.
 The summary also gives each net's GEMM bound: the multiply-adds of its
 convolution and inner-product products (forward, weight gradient, and data
 gradient where backward reaches the bottom) at the rate of a 1024^3 sgemm
+run as the kernels run it (cpu.matmul, on the kernels' threads)
 measured in the same process, just before the net is timed.  The host's
 speed drifts by +-20% between runs (other tenants), and the sgemm rate shows
 how fast it was during this one.  (The issue's bounds, 6.6 / 54.5 ms for
@@ -51,14 +52,15 @@ def gemm_flops(net):
 
 
 def sgemm_rate(repeats=5):
-    """FLOP/s of a 1024^3 float32 product, best of a few."""
+    """FLOP/s of a 1024^3 float32 product on the kernels' threads, best of a few."""
     import time
     import numpy as np
+    from caffempi.backend import cpu
     a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
     best = float("inf")
     for _ in range(repeats + 1):
         t = time.perf_counter()
-        a @ a
+        cpu.matmul(a, a)
         best = min(best, time.perf_counter() - t)
     return 2 * 1024 ** 3 / best
 
@@ -103,7 +105,7 @@ def main():
                                   "--child", json.dumps([name, model, shape, batch])],
                                  env=env, check=True, capture_output=True, text=True).stdout
             r = json.loads(out.strip().splitlines()[-1])
-            print("\n%s, batch %d, %d BLAS thread(s), memory %s: forward %.2f ms, backward %.2f ms, total %.2f ms"
+            print("\n%s, batch %d, %d thread(s), memory %s: forward %.2f ms, backward %.2f ms, total %.2f ms"
                   % (name, batch, threads, args.memory, r["forward_ms"], r["backward_ms"], r["forward_backward_ms"]))
             print("  %-14s %10s %10s" % ("layer", "fwd ms", "bwd ms"))
             for layer, f, b in r["layers"]:

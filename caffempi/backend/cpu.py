@@ -15,7 +15,9 @@ and weight gradient of LeNet's conv2 and CIFAR10-quick's convs by 15-30%.
 The full column matrix (:func:`im2col`, by strided copies with no loop over
 images or pixels) remains for vertical strides > 1, few input rows per
 product (LeNet's one-channel conv1), and the data gradient's GEMM +
-col2im.  Scratch buffers persist between calls (see :func:`_work`).
+col2im.  Scratch buffers persist between calls, one set per thread (see
+:func:`_work`).  The chunks, and the images of a pooling, run on the
+intra-op threads (:mod:`caffempi.backend.threads`), BLAS at one thread.
 
 Tried and not kept (1 BLAS thread, CIFAR10-quick / LeNet shapes): the
 kernel-row split without chunks of images (its operands then run from
@@ -35,6 +37,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..common import rng
+from . import threads
 
 # Target size of one chunk's column matrix.  OpenBLAS runs these skinny GEMMs
 # (few output channels) at ~85-90 GFLOP/s on 0.5-2 MB column blocks and at
@@ -80,6 +83,52 @@ def _chunk(n, per_image_bytes, limit=_COL_CHUNK_BYTES):
     """Images per chunk so that a chunk's column matrix stays under limit
     (in cache, on the CPU)."""
     return int(max(1, min(n, limit // max(per_image_bytes, 1))))
+
+
+def _chunks(n, per_image_bytes):
+    """(a, m) for chunks of m images from image a, equal in size, each under
+    _COL_CHUNK_BYTES (per image) as :func:`_chunk`; they run on the
+    intra-op threads (:func:`_each_chunk`)."""
+    count = -(-n // _chunk(n, per_image_bytes, _COL_CHUNK_BYTES))
+    nb = -(-n // count)
+    return [(a, min(nb, n - a)) for a in range(0, n, nb)]
+
+
+def _each_chunk(chunks, body, fold=None):
+    """body(a, m) for every chunk, on the intra-op threads; fold gets the
+    results in chunk order (see threads.for_chunks)."""
+    threads.for_chunks(len(chunks), lambda i: body(*chunks[i]), fold)
+
+
+# Products of at least this many multiply-adds are split over the intra-op
+# threads.
+_SPLIT_MIN_MACS = 1 << 20
+
+
+def matmul(a, b):
+    """a (M, K) @ b (K, N), split into one block of output rows (columns
+    where M < 64) per intra-op thread, at multiples of 32 rows (128 columns).
+    Unlike the convolutions' chunks these blocks depend on the thread count:
+    at one thread the product stays whole, since splitting it cost 5-20% at
+    1 thread (1024^3: 22.4 -> 26.6 ms).  OpenBLAS gives bitwise the same
+    result for most row splits but not all (it has special kernels for
+    small shapes), so products may differ in the last bits between thread
+    counts."""
+    m, k = a.shape
+    n = b.shape[1]
+    out = np.empty((m, n), np.result_type(a, b))
+    t = threads.thread_count()
+    if t == 1 or m * n * k < _SPLIT_MIN_MACS or (m < 64 and n < 256):
+        return np.matmul(a, b, out=out)
+    if m >= 64:
+        step = -(-(-(-m // t)) // 32) * 32
+        blocks = [(i, min(step, m - i)) for i in range(0, m, step)]
+        _each_chunk(blocks, lambda i, r: np.matmul(a[i:i + r], b, out=out[i:i + r]))
+    else:
+        step = -(-(-(-n // t)) // 128) * 128
+        blocks = [(j, min(step, n - j)) for j in range(0, n, step)]
+        _each_chunk(blocks, lambda j, r: np.matmul(a, b[:, j:j + r], out=out[:, j:j + r]))
+    return out
 
 
 def _is_pointwise(geom):
@@ -154,31 +203,35 @@ def conv2d_forward(x, w, geom, group, bias=None):
     ow = conv_out_size(wd, kw, sw, pw, dw)
     g = group
     wg = w.reshape(g, o // g, -1)
+    y = np.empty((n, o, oh, ow), x.dtype)
     if _is_pointwise(geom):
         # 1x1 convolution: a batched GEMM on the input itself.
-        y = np.matmul(wg, x.reshape(n, g, c // g, h * wd)).reshape(n, o, oh, ow)
-        if bias is not None:
-            y += bias.reshape(o, 1, 1)
+        xr = x.reshape(n, g, c // g, h * wd)
+        yr = y.reshape(n, g, o // g, h * wd)
+
+        def chunk(a, m):
+            np.matmul(wg, xr[a:a + m], out=yr[a:a + m])
+            if bias is not None:
+                y[a:a + m] += bias.reshape(o, 1, 1)
+        _each_chunk(_chunks(n, (c + o) * h * wd * x.itemsize), chunk)
         return y
-    y = np.empty((n, o, oh, ow), x.dtype)
     xpad = _pad(x, ph, pw)
     if _forward_by_row_taps(geom, c // g):
         _conv_row_taps(xpad, w, geom, g, oh, ow, y, bias)
         return y
     p = oh * ow
     k = c * kh * kw
-    nb = _chunk(n, k * p * x.itemsize)
-    buf = _work("col", k * nb * p, x.dtype)
-    rbuf = _work("gemm", o * nb * p, x.dtype)
-    for a in range(0, n, nb):
-        m = min(nb, n - a)
-        col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p])
-        r = np.matmul(wg, col.reshape(g, k // g, m * p), out=rbuf[:o * m * p].reshape(g, o // g, m * p))
+
+    def chunk(a, m):
+        col = im2col(xpad[a:a + m], geom, oh, ow, _work("col", k * m * p, x.dtype))
+        r = np.matmul(wg, col.reshape(g, k // g, m * p),
+                      out=_work("gemm", o * m * p, x.dtype).reshape(g, o // g, m * p))
         r = r.reshape(o, m, oh, ow).transpose(1, 0, 2, 3)
         if bias is None:
             np.copyto(y[a:a + m], r)
         else:
             np.add(r, bias.reshape(o, 1, 1), out=y[a:a + m])
+    _each_chunk(_chunks(n, k * p * x.itemsize), chunk)
     return y
 
 
@@ -194,19 +247,20 @@ def _dw_by_row_taps(geom):
     return geom[2] == 1
 
 
-def _unfolded_chunks(xpad, geom, ow, group):
-    """(a, m, u) for each chunk of m images from image a whose unfolding
-    (:func:`_unfold_width`) fits in cache: u (m, g, C/g*kw, Hp*ow), in a
-    scratch buffer that the next chunk overwrites."""
-    kw = geom[1]
+def _unfolded_chunks(xpad, geom, ow):
+    """Chunks (:func:`_chunks`) of images whose unfolding (:func:`_unfold_width`)
+    fits in cache."""
     n, c, hp, _ = xpad.shape
-    per_image = c * kw * hp * ow
-    nb = _chunk(n, per_image * xpad.itemsize)
-    ubuf = _work("unfold", nb * per_image, xpad.dtype)
-    for a in range(0, n, nb):
-        m = min(nb, n - a)
-        u = _unfold_width(xpad[a:a + m], geom, ow, ubuf[:m * per_image])
-        yield a, m, u.reshape(m, group, (c // group) * kw, hp * ow)
+    return _chunks(n, c * geom[1] * hp * ow * xpad.itemsize)
+
+
+def _unfold_chunk(xpad, geom, ow, group, a, m):
+    """u (m, g, C/g*kw, Hp*ow): images a..a+m of xpad unfolded along the
+    kernel width, in the calling thread's scratch buffer."""
+    kw = geom[1]
+    _, c, hp, _ = xpad.shape
+    u = _unfold_width(xpad[a:a + m], geom, ow, _work("unfold", m * c * kw * hp * ow, xpad.dtype))
+    return u.reshape(m, group, (c // group) * kw, hp * ow)
 
 
 def _row_tap_weights(w, group):
@@ -236,7 +290,9 @@ def _conv_row_taps(xpad, w, geom, group, oh, ow, y, bias):
     p = oh * ow
     wt = _row_tap_weights(w, g)
     yr = y.reshape(n, g, og, p)
-    for a, m, u in _unfolded_chunks(xpad, geom, ow, g):
+
+    def chunk(a, m):
+        u = _unfold_chunk(xpad, geom, ow, g, a, m)
         ya = yr[a:a + m]
         t = _work("gemm", m * o * p, xpad.dtype).reshape(m, g, og, p)
         for i in range(kh):
@@ -245,6 +301,7 @@ def _conv_row_taps(xpad, w, geom, group, oh, ow, y, bias):
                 ya += t
         if bias is not None:
             ya += bias.reshape(g, og, 1)
+    _each_chunk(_unfolded_chunks(xpad, geom, ow), chunk)
 
 
 def _dw_per_image(geom, cg, og, p):
@@ -278,17 +335,21 @@ def _conv_dw_row_taps(x, dy, geom, group, oh, ow):
     if _dw_per_image(geom, cg, og, p):
         gt = np.zeros((kh, g, og, cg * kw), dy.dtype)
         dyr = dy.reshape(n, g, og, p)
-        for a, m, u in _unfolded_chunks(_pad(x, ph, pw), geom, ow, g):
+        xpad = _pad(x, ph, pw)
+
+        def chunk(a, m):
+            u = _unfold_chunk(xpad, geom, ow, g, a, m)
+            part = np.empty_like(gt)
             for i in range(kh):
-                ui = u[..., i * dh * ow:i * dh * ow + p]
-                gt[i] += np.matmul(dyr[a:a + m], ui.transpose(0, 1, 3, 2)).sum(0)
+                np.matmul(dyr[a:a + m], u[..., i * dh * ow:i * dh * ow + p].transpose(0, 1, 3, 2)).sum(0, out=part[i])
+            return part
+        _each_chunk(_unfolded_chunks(xpad, geom, ow), chunk, gt.__iadd__)
         gw = gt.reshape(kh, g, og, cg, kw).transpose(1, 2, 3, 0, 4)
         return np.ascontiguousarray(gw).reshape(o, cg, kh, kw)
     gt = np.zeros((kh, g, cg * kw, og), dy.dtype)
     span = sw * (ow - 1) + 1
-    nb = _chunk(n, c * kw * hp * ow * x.itemsize)
-    for a in range(0, n, nb):
-        m = min(nb, n - a)
+
+    def chunk(a, m):
         xt = _work("dw_xt", c * hp * wp * m, x.dtype).reshape(c, hp, wp, m)
         if ph or pw:
             xt.fill(0)
@@ -300,9 +361,11 @@ def _conv_dw_row_taps(x, dy, geom, group, oh, ow):
         d = _work("dw_dy", p * m * o, dy.dtype).reshape(oh, ow, m, o)
         np.copyto(d, dy[a:a + m].transpose(2, 3, 0, 1))
         d = d.reshape(p * m, g, og).transpose(1, 0, 2)
+        part = np.empty_like(gt)
         for i in range(kh):
-            r0 = i * dh * ow * m
-            gt[i] += np.matmul(u[..., r0:r0 + p * m], d)
+            np.matmul(u[..., i * dh * ow * m:(i * dh * ow + p) * m], d, out=part[i])
+        return part
+    _each_chunk(_chunks(n, c * kw * hp * ow * x.itemsize), chunk, gt.__iadd__)
     gw = gt.reshape(kh, g, cg, kw, og).transpose(1, 4, 2, 0, 3)
     return np.ascontiguousarray(gw).reshape(o, cg, kh, kw)
 
@@ -351,10 +414,18 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
         dyr = dy.reshape(n, g, og, oh * ow)
         if need_dw:
             xr = x.reshape(n, g, cg, h * wd)
-            gw = np.matmul(dyr, xr.transpose(0, 1, 3, 2)).sum(0).reshape(w.shape)
+            gw = np.zeros((g, og, cg), dtype)
         if need_dx:
-            gx = np.matmul(wg.transpose(0, 2, 1), dyr).reshape(x_shape)
-        return gx, gw
+            gx = np.empty(x_shape, dtype)
+            gxr = gx.reshape(n, g, cg, h * wd)
+
+        def chunk(a, m):
+            if need_dx:
+                np.matmul(wg.transpose(0, 2, 1), dyr[a:a + m], out=gxr[a:a + m])
+            if need_dw:
+                return np.matmul(dyr[a:a + m], xr[a:a + m].transpose(0, 1, 3, 2)).sum(0)
+        _each_chunk(_chunks(n, (c + o) * h * wd * dtype.itemsize), chunk, gw.__iadd__ if need_dw else None)
+        return gx, (gw.reshape(w.shape) if need_dw else None)
     p = oh * ow
     k = c * kh * kw
     # With stride 1, dx is itself a convolution of dy (padded by the kernel
@@ -376,36 +447,27 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
         need_dw = False
         if not col_dx:
             return gx, gw
-    nb = _chunk(n, k * p * dtype.itemsize)
+    unit = sh == 1 and sw == 1
     if need_dw:
         xpad = _pad(x, ph, pw)
-        buf = _work("col", k * nb * p, dtype)
         # dw transposed, (k, o): OpenBLAS runs this orientation (long
         # reduction, small N) much faster than dy @ col.T
         gwt = np.zeros((g, k // g, og), dtype)
     if col_dx:
         wt = wg.transpose(0, 2, 1)
-        dbuf = _work("dcol", k * nb * p, dtype)
-        if sh == 1 and sw == 1:
+        if unit:
             gx = np.empty(x_shape, dtype)
             hpd, wpd = dh * (kh - 1) + oh, dw_ * (kw - 1) + ow   # = padded h, w
-            cbuf = _work("dyc", o * nb * p, dtype)
-            vbuf = _work("dcol_v", c * kw * hpd * ow * nb, dtype)
-            ubuf = _work("dcol_u", c * hpd * wpd * nb, dtype)
         else:
             gxpad = np.zeros((n, c, h + 2 * ph, wd + 2 * pw), dtype)
-    tbuf = _work("dyt", o * nb * p, dtype)
-    for a in range(0, n, nb):
-        m = min(nb, n - a)
-        if need_dw or (col_dx and not (sh == 1 and sw == 1)):
+
+    def chunk(a, m):
+        if need_dw or (col_dx and not unit):
             # dy of the chunk as (g, m*p, o/g), matching the columns' order
-            dyt = tbuf[:o * m * p].reshape(g, m, p, og)
+            dyt = _work("dyt", o * m * p, dtype).reshape(g, m, p, og)
             np.copyto(dyt, _unaliased(dy[a:a + m].reshape(m, g, og, p)).transpose(1, 0, 3, 2))
             dyt = dyt.reshape(g, m * p, og)
-        if need_dw:
-            col = im2col(xpad[a:a + m], geom, oh, ow, buf[:k * m * p]).reshape(g, k // g, m * p)
-            gwt += np.matmul(col, dyt)
-        if col_dx and sh == 1 and sw == 1:
+        if col_dx and unit:
             # GEMM columns ordered (y, x, n) (dy copied in that order), then a
             # two-stage col2im: the kh row taps summed into v (c, kw, hp, ow,
             # m), runs of oh*ow*m floats, then the kw column taps into
@@ -413,22 +475,26 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
             # The GEMM is the minimal 2*k*o*p per image (the earlier "widened"
             # layout spent 1.5x that on LeNet's conv2) and no add is shorter
             # than ow*m floats.
-            dyc = cbuf[:o * m * p].reshape(g, oh, ow, m, og)
+            dyc = _work("dyc", o * m * p, dtype).reshape(g, oh, ow, m, og)
             np.copyto(dyc, dy[a:a + m].reshape(m, g, og, oh, ow).transpose(1, 3, 4, 0, 2))
             dcol = np.matmul(wt, dyc.reshape(g, m * p, og).transpose(0, 2, 1),
-                             out=dbuf[:k * m * p].reshape(g, k // g, m * p))
+                             out=_work("dcol", k * m * p, dtype).reshape(g, k // g, m * p))
             dcol = dcol.reshape(c, kh, kw, oh, ow, m)
-            v = vbuf[:c * kw * hpd * ow * m].reshape(c, kw, hpd, ow, m)
+            v = _work("dcol_v", c * kw * hpd * ow * m, dtype).reshape(c, kw, hpd, ow, m)
             _tap_sum(v, [dcol[:, i] for i in range(kh)], 2, dh, oh)
-            gt = ubuf[:c * hpd * wpd * m].reshape(c, hpd, wpd, m)
+            gt = _work("dcol_u", c * hpd * wpd * m, dtype).reshape(c, hpd, wpd, m)
             _tap_sum(gt, [v[:, j] for j in range(kw)], 2, dw_, ow)
             np.copyto(gx[a:a + m], gt[:, ph:ph + h, pw:pw + wd].transpose(3, 0, 1, 2))
         elif col_dx:
-            dcol = np.matmul(wt, dyt.transpose(0, 2, 1), out=dbuf[:k * m * p].reshape(g, k // g, m * p))
+            dcol = np.matmul(wt, dyt.transpose(0, 2, 1), out=_work("dcol", k * m * p, dtype).reshape(g, k // g, m * p))
             col2im(dcol, geom, oh, ow, gxpad[a:a + m])
+        if need_dw:
+            col = im2col(xpad[a:a + m], geom, oh, ow, _work("col", k * m * p, dtype)).reshape(g, k // g, m * p)
+            return np.matmul(col, dyt)
+    _each_chunk(_chunks(n, k * p * dtype.itemsize), chunk, gwt.__iadd__ if need_dw else None)
     if need_dw:
         gw = np.ascontiguousarray(gwt.transpose(0, 2, 1)).reshape(w.shape)
-    if col_dx and not (sh == 1 and sw == 1):
+    if col_dx and not unit:
         gx = gxpad[:, :, ph:ph + h, pw:pw + wd] if (ph or pw) else gxpad
         gx = np.ascontiguousarray(gx)
     return gx, gw
@@ -725,9 +791,7 @@ def _max_pool_3x3s2(x):
     return y, idx
 
 
-def max_pool_forward(x, geom, oh, ow):
-    """Returns (y, idx): y the window maxima, idx the flat h*W+w index in the
-    unpadded image of each window's first maximum in raster order (Caffe's)."""
+def _max_pool_forward(x, geom, oh, ow):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
     if _is_global(geom, h, w, oh, ow):
@@ -756,7 +820,7 @@ def max_pool_forward(x, geom, oh, ow):
     return y.reshape(n, c, oh, ow), idx.reshape(n, c, oh, ow)
 
 
-def max_pool_backward(dy, idx, geom, x_shape):
+def _max_pool_backward(dy, idx, geom, x_shape):
     """Routes each output gradient to its argmax (summing where windows that
     overlap share one; np.add.at is a fast scatter-add in NumPy 2)."""
     kh, kw, sh, sw = geom[:4]
@@ -770,6 +834,45 @@ def max_pool_backward(dy, idx, geom, x_shape):
     else:
         dx[flat] = dy.ravel()
     return dx.reshape(x_shape)
+
+
+def _over_images(fn, inputs, outs):
+    """outs[k][images] = fn(*inputs[images])[k], over chunks of images
+    (:func:`_chunks`, by the size of an image of inputs and outs together)
+    on the intra-op threads: for the pooling kernels, which treat every
+    image alike."""
+    n = inputs[0].shape[0]
+
+    def chunk(a, m):
+        r = fn(*[t[a:a + m] for t in inputs])
+        for o, v in zip(outs, r if isinstance(r, tuple) else (r,)):
+            o[a:a + m] = v
+    _each_chunk(_chunks(n, sum(t[:1].nbytes for t in inputs + outs)), chunk)
+    return outs
+
+
+def max_pool_forward(x, geom, oh, ow):
+    """Returns (y, idx): y the window maxima, idx the flat h*W+w index in the
+    unpadded image of each window's first maximum in raster order (Caffe's)."""
+    n, c = x.shape[:2]
+    y, idx = np.empty((n, c, oh, ow), x.dtype), np.empty((n, c, oh, ow), np.int32)
+    return tuple(_over_images(lambda t: _max_pool_forward(t, geom, oh, ow), [x], [y, idx]))
+
+
+def max_pool_backward(dy, idx, geom, x_shape):
+    dx = np.empty(x_shape, dy.dtype)
+    _over_images(lambda d, i: _max_pool_backward(d, i, geom, (len(d),) + tuple(x_shape[1:])), [dy, idx], [dx])
+    return dx
+
+
+def ave_pool_forward(x, geom, oh, ow):
+    y = np.empty(x.shape[:2] + (oh, ow), x.dtype)
+    return _over_images(lambda t: _ave_pool_forward(t, geom, oh, ow), [x], [y])[0]
+
+
+def ave_pool_backward(dy, geom, x_shape):
+    dx = np.empty(x_shape, dy.dtype)
+    return _over_images(lambda d: _ave_pool_backward(d, geom, (len(d),) + tuple(x_shape[1:])), [dy], [dx])[0]
 
 
 def _is_global(geom, h, w, oh, ow):
@@ -809,7 +912,7 @@ def _ave_matrix(geom, h, w, oh, ow, dtype):
     return m
 
 
-def ave_pool_forward(x, geom, oh, ow):
+def _ave_pool_forward(x, geom, oh, ow):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
     if oh * ow <= _AVE_GEMM_MAX_OUT:      # global pooling included (one output)
@@ -824,7 +927,7 @@ def ave_pool_forward(x, geom, oh, ow):
     return y
 
 
-def ave_pool_backward(dy, geom, x_shape):
+def _ave_pool_backward(dy, geom, x_shape):
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x_shape
     oh, ow = dy.shape[2:]

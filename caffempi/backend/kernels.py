@@ -25,6 +25,12 @@ def conv2d_backward(xp, x, w, dy, geom, group, need_dx=True, need_dw=True, x_sha
     return _impl(xp, "conv2d_backward")(x, w, dy, geom, group, need_dx, need_dw, x_shape)
 
 
+def matmul(xp, a, b):
+    """a @ b for 2-D operands: on the CPU in blocks on the intra-op threads
+    (:func:`caffempi.backend.cpu.matmul`), as one product on the GPU."""
+    return cpu.matmul(a, b) if xp is np else a @ b
+
+
 def bias_grad(xp, dy):
     return _impl(xp, "bias_grad")(dy)
 

@@ -1,0 +1,129 @@
+"""Intra-op threads for the NumPy kernels.
+
+The convolution, pooling and product kernels of :mod:`caffempi.backend.cpu`
+work in chunks (of images, or of rows of a product).  :func:`for_chunks`
+runs those chunks on T threads at once; NumPy releases the GIL in its
+copies, ufuncs and matmul, so every thread runs copies and GEMMs.  T is the
+BLAS library's thread count when caffempi first computes
+(``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS``, else one per core, as BLAS
+itself decides; :func:`set_thread_count` changes it), and BLAS is then kept
+at one thread for good.  Two reasons, both measured at 2 threads on 2 cores:
+the chunked GEMMs are skinny (few output channels) and OpenBLAS's threads
+gained nothing on them while the copies around them ran on one core
+(CIFAR10-quick was slower at 2 threads than at 1); and after each threaded
+call OpenBLAS's workers spin for a while waiting for more, taking the second
+core from whatever runs next (CIFAR10-quick's forward: 52 ms with kernels on
+2 threads beside a spinning BLAS, 31-36 ms with the spin cut short).
+
+The convolutions' and poolings' chunks never depend on T, and their
+partial sums are folded in chunk order, so their results are bitwise the
+same for any thread count (products split by :func:`cpu.matmul` may differ
+in the last bits; see there).
+"""
+import os
+import threading
+from concurrent.futures import ThreadPoolExecutor, wait
+
+_threads = None       # T, once BLAS has been set to one thread
+_pool = None          # (threads, executor) of the T-1 helper threads
+_region = threading.Lock()   # one parallel region at a time
+_local = threading.local()
+_init_lock = threading.Lock()
+
+
+def thread_count():
+    """T, the number of threads the kernels use.  On the first call it is
+    read from the BLAS library, which is then set to one thread."""
+    global _threads
+    if _threads is None:
+        with _init_lock:
+            if _threads is None:
+                import numpy  # noqa: F401  (loads NumPy's BLAS, which threadpoolctl looks for)
+                from threadpoolctl import ThreadpoolController
+                blas = ThreadpoolController().select(user_api="blas")
+                counts = [lib.get_num_threads() for lib in blas.lib_controllers]
+                blas.limit(limits=1)
+                _threads = max([1] + counts)
+    return _threads
+
+
+def set_thread_count(threads):
+    """Sets T (at least 1); returns the previous value."""
+    global _threads
+    previous = thread_count()
+    _threads = max(1, int(threads))
+    return previous
+
+
+def _executor(threads):
+    global _pool
+    if _pool is None or _pool[0] < threads:
+        if _pool is not None:
+            _pool[1].shutdown(wait=False)
+        _pool = (threads, ThreadPoolExecutor(threads - 1, thread_name_prefix="caffempi-op"))
+    return _pool[1]
+
+
+def _forget_pool():
+    # a forked child has none of the parent's threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
+def for_chunks(count, body, fold=None):
+    """Calls ``body(i)`` for i in range(count), on up to T threads, and
+    ``fold(result)`` on the results in index order (never two at once, and
+    each result dropped once folded).  Runs serially where T is 1, inside
+    another region, or while another thread holds one."""
+    threads = min(count, thread_count())
+    if threads <= 1 or getattr(_local, "inside", False) or not _region.acquire(blocking=False):
+        for i in range(count):
+            r = body(i)
+            if fold is not None:
+                fold(r)
+        return
+    try:
+        _run(count, body, fold, threads)
+    finally:
+        _region.release()
+
+
+def _run(count, body, fold, threads):
+    lock = threading.Lock()
+    state = {"next": 0, "folded": 0, "failed": False}
+    pending = {}
+
+    def work():
+        _local.inside = True
+        try:
+            while True:
+                with lock:
+                    i = state["next"]
+                    if i >= count or state["failed"]:
+                        return
+                    state["next"] = i + 1
+                try:
+                    r = body(i)
+                except BaseException:
+                    state["failed"] = True
+                    raise
+                if fold is None:
+                    continue
+                with lock:
+                    pending[i] = r
+                    while state["folded"] in pending:
+                        fold(pending.pop(state["folded"]))
+                        state["folded"] += 1
+        finally:
+            _local.inside = False
+
+    helpers = [_executor(threads).submit(work) for _ in range(threads - 1)]
+    try:
+        work()
+    finally:
+        wait(helpers)
+    for h in helpers:
+        h.result()

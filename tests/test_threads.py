@@ -1,0 +1,151 @@
+"""The NumPy kernels' intra-op threads (caffempi.backend.threads): chunks run
+on several threads, convolution and pooling results are bitwise the same for
+every thread count, products stay right, errors come through, BLAS is kept
+at one thread."""
+import threading
+import time
+
+import numpy as np
+import pytest
+from threadpoolctl import ThreadpoolController
+
+from caffempi.backend import cpu, threads
+
+
+@pytest.fixture
+def small_chunks(monkeypatch):
+    """Chunks of a few images even for test-sized inputs, so that the
+    kernels have several chunks to spread over threads."""
+    monkeypatch.setattr(cpu, "_COL_CHUNK_BYTES", 2048)
+
+
+@pytest.fixture
+def thread_counts():
+    previous = threads.set_thread_count(1)
+    yield (1, 2, 3)
+    threads.set_thread_count(previous)
+
+
+def at_each_count(counts, fn):
+    results = []
+    for t in counts:
+        threads.set_thread_count(t)
+        results.append(fn())
+    threads.set_thread_count(1)
+    return results
+
+
+def rand(shape, seed):
+    return np.random.default_rng(seed).standard_normal(shape, dtype=np.float32)
+
+
+# (input shape, weight shape, geom (kh, kw, sh, sw, ph, pw, dh, dw), group):
+# one per path of cpu.conv2d_forward / conv2d_backward
+CONV_CASES = {
+    "row taps, valid (LeNet conv2)": ((9, 4, 8, 8), (6, 4, 3, 3), (3, 3, 1, 1, 0, 0, 1, 1), 1),
+    "one channel, im2col (LeNet conv1)": ((9, 1, 9, 9), (5, 1, 3, 3), (3, 3, 1, 1, 0, 0, 1, 1), 1),
+    "padded same, dx as conv": ((9, 3, 8, 8), (4, 3, 3, 3), (3, 3, 1, 1, 1, 1, 1, 1), 1),
+    "stride 2, col2im": ((9, 4, 9, 9), (6, 2, 3, 3), (3, 3, 2, 2, 1, 1, 1, 1), 2),
+    "dilated groups": ((9, 4, 9, 9), (6, 2, 3, 3), (3, 3, 1, 1, 0, 0, 2, 2), 2),
+    "many outputs, images innermost dw": ((9, 8, 6, 6), (32, 8, 3, 3), (3, 3, 1, 1, 1, 1, 1, 1), 1),
+    "pointwise": ((9, 6, 5, 5), (4, 3, 1, 1), (1, 1, 1, 1, 0, 0, 1, 1), 2),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CONV_CASES))
+def test_convolution_is_bitwise_the_same_on_any_thread_count(case, small_chunks, thread_counts):
+    xs, ws, geom, group = CONV_CASES[case]
+    x, w, b = rand(xs, 0), rand(ws, 1), rand(ws[:1], 2)
+
+    def run():
+        y = cpu.conv2d_forward(x, w, geom, group, b)
+        dx, dw = cpu.conv2d_backward(x, w, rand(y.shape, 3), geom, group)
+        return y, dx, dw
+    results = at_each_count(thread_counts, run)
+    for other in results[1:]:
+        for a, o in zip(results[0], other):
+            assert np.array_equal(a, o)
+    # and the chunked result is the one of the whole batch at once
+    cpu._COL_CHUNK_BYTES = 1 << 30
+    whole = run()
+    for a, o in zip(results[0], whole):
+        np.testing.assert_allclose(a, o, rtol=1e-4, atol=1e-4)
+
+
+POOL_CASES = [((9, 3, 8, 8), (2, 2, 2, 2, 0, 0)),      # tiled
+              ((9, 3, 10, 10), (3, 3, 2, 2, 0, 0)),    # 3x3/2
+              ((9, 3, 9, 7), (3, 2, 2, 1, 1, 1))]      # general, padded
+
+
+@pytest.mark.parametrize("shape, geom", POOL_CASES)
+def test_pooling_is_bitwise_the_same_on_any_thread_count(shape, geom, small_chunks, thread_counts):
+    kh, kw, sh, sw, ph, pw = geom
+    oh = -(-(shape[2] + 2 * ph - kh) // sh) + 1
+    ow = -(-(shape[3] + 2 * pw - kw) // sw) + 1
+    x = rand(shape, 0)
+    dy = rand(shape[:2] + (oh, ow), 1)
+
+    def run():
+        y, idx = cpu.max_pool_forward(x, geom, oh, ow)
+        return (y, idx, cpu.max_pool_backward(dy, idx, geom, shape),
+                cpu.ave_pool_forward(x, geom, oh, ow), cpu.ave_pool_backward(dy, geom, shape))
+    results = at_each_count(thread_counts, run)
+    for other in results[1:]:
+        for a, o in zip(results[0], other):
+            assert np.array_equal(a, o)
+    # each image pooled alone gives the same
+    for i in range(shape[0]):
+        y, idx = cpu._max_pool_forward(x[i:i + 1], geom, oh, ow)
+        assert np.array_equal(results[0][0][i:i + 1], y) and np.array_equal(results[0][1][i:i + 1], idx)
+
+
+@pytest.mark.parametrize("m, k, n", [(200, 300, 100), (16, 300, 1000), (1, 4096, 512)])
+def test_matmul_split_over_threads(m, k, n, thread_counts):
+    a, b = rand((m, k), 0), rand((k, n), 1)
+    expected = a.astype(np.float64) @ b.astype(np.float64)
+    for t, r in zip(thread_counts, at_each_count(thread_counts, lambda: cpu.matmul(a, b.T.copy().T))):
+        assert r.shape == (m, n)
+        np.testing.assert_allclose(r, expected, rtol=1e-4, atol=1e-3)
+
+
+def test_chunks_run_on_several_threads_and_fold_in_order(thread_counts):
+    names = set()
+    folded = []
+
+    def body(i):
+        names.add(threading.current_thread().name)
+        time.sleep(0.01 * (i % 3 == 0))   # finish out of order
+        return i
+
+    threads.set_thread_count(3)
+    try:
+        threads.for_chunks(12, body, folded.append)
+    finally:
+        threads.set_thread_count(1)
+    assert folded == list(range(12))
+    assert len(names) == 3
+
+
+def test_an_error_in_a_chunk_comes_through(thread_counts):
+    def body(i):
+        if i == 5:
+            raise ValueError("chunk 5")
+        time.sleep(0.001)
+
+    threads.set_thread_count(2)
+    try:
+        with pytest.raises(ValueError, match="chunk 5"):
+            threads.for_chunks(40, body)
+        # the region is free again and nested regions run serially
+        inner = []
+        threads.for_chunks(4, lambda i: threads.for_chunks(3, lambda j: inner.append(threading.current_thread().name)))
+        assert len(inner) == 12
+    finally:
+        threads.set_thread_count(1)
+
+
+def test_blas_is_kept_at_one_thread():
+    threads.thread_count()
+    blas = ThreadpoolController().select(user_api="blas").lib_controllers
+    numpy_blas = [lib for lib in blas if "numpy" in lib.filepath]
+    assert numpy_blas and all(lib.num_threads == 1 for lib in numpy_blas)
