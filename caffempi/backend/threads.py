@@ -19,6 +19,11 @@ The convolutions' and poolings' chunks never depend on T, and their
 partial sums are folded in chunk order, so their results are bitwise the
 same for any thread count (products split by :func:`cpu.matmul` may differ
 in the last bits; see there).
+
+:func:`set_progress` installs a callable that the computing thread calls
+between chunks: the data-parallel reducer uses it to poll its pending
+allreduces inside a long layer (MPI progresses only when called), without
+the kernels knowing about MPI.
 """
 import os
 import threading
@@ -29,6 +34,7 @@ _pool = None          # (threads, executor) of the T-1 helper threads
 _region = threading.Lock()   # one parallel region at a time
 _local = threading.local()
 _init_lock = threading.Lock()
+_progress = None      # (thread ident, callable) of set_progress
 
 
 def thread_count():
@@ -55,6 +61,21 @@ def set_thread_count(threads):
     return previous
 
 
+def set_progress(fn):
+    """Makes the calling thread call ``fn()`` after each chunk it runs in
+    :func:`for_chunks` (None stops that); returns the previous callable."""
+    global _progress
+    previous = _progress[1] if _progress else None
+    _progress = (threading.get_ident(), fn) if fn is not None else None
+    return previous
+
+
+def _progress_here():
+    """The progress callable if the calling thread installed it, else None."""
+    p = _progress
+    return p[1] if p is not None and p[0] == threading.get_ident() else None
+
+
 def _executor(threads):
     global _pool
     if _pool is None or _pool[0] < threads:
@@ -79,24 +100,27 @@ def for_chunks(count, body, fold=None):
     each result dropped once folded).  Runs serially where T is 1, inside
     another region, or while another thread holds one."""
     threads = min(count, thread_count())
+    progress = _progress_here()
     if threads <= 1 or getattr(_local, "inside", False) or not _region.acquire(blocking=False):
         for i in range(count):
             r = body(i)
             if fold is not None:
                 fold(r)
+            if progress is not None:
+                progress()
         return
     try:
-        _run(count, body, fold, threads)
+        _run(count, body, fold, threads, progress)
     finally:
         _region.release()
 
 
-def _run(count, body, fold, threads):
+def _run(count, body, fold, threads, progress=None):
     lock = threading.Lock()
     state = {"next": 0, "folded": 0, "failed": False}
     pending = {}
 
-    def work():
+    def work(progress=None):
         _local.inside = True
         try:
             while True:
@@ -110,19 +134,20 @@ def _run(count, body, fold, threads):
                 except BaseException:
                     state["failed"] = True
                     raise
-                if fold is None:
-                    continue
-                with lock:
-                    pending[i] = r
-                    while state["folded"] in pending:
-                        fold(pending.pop(state["folded"]))
-                        state["folded"] += 1
+                if fold is not None:
+                    with lock:
+                        pending[i] = r
+                        while state["folded"] in pending:
+                            fold(pending.pop(state["folded"]))
+                            state["folded"] += 1
+                if progress is not None:
+                    progress()
         finally:
             _local.inside = False
 
     helpers = [_executor(threads).submit(work) for _ in range(threads - 1)]
     try:
-        work()
+        work(progress)
     finally:
         wait(helpers)
     for h in helpers:

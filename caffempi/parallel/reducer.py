@@ -24,7 +24,8 @@ Modes (``--comm``):
   auto      the default: nccl for GPU nets when NCCL can join the ranks,
             otherwise overlap
   blocking  one Allreduce of the whole gradient after backward (baseline)
-  overlap   Iallreduce per bucket, MPI_Testall between layers
+  overlap   Iallreduce per bucket, MPI_Testall between layers and between
+            the chunks of a CPU kernel (threads.set_progress)
   thread    a communication thread runs a blocking Allreduce per bucket
             (MPI_THREAD_MULTIPLE; the GIL is released inside MPI and BLAS)
   async     Iallreduce per bucket, progress left to MPICH's own progress
@@ -38,7 +39,7 @@ import time
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..backend import threads, to_numpy
 from ..common import CaffeError, log
 
 COMM_MODES = ("auto", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
@@ -117,10 +118,14 @@ class MPIHostTransport:
         self._pending.append(req)
         if self.mode == "overlap":
             self.MPI.Request.Testall(self._pending)
+            # a long layer (LeNet's conv2: a third of backward) would
+            # otherwise leave the sum idle until its end
+            threads.set_progress(self.poll)
         return req
 
     def backward_end(self):
-        pass
+        if self.mode == "overlap":
+            threads.set_progress(None)
 
     def poll(self):
         if self.mode == "overlap" and self._pending:
@@ -157,6 +162,7 @@ class MPIHostTransport:
             done.set()
 
     def close(self):
+        self.backward_end()
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)

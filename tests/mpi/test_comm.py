@@ -7,7 +7,7 @@ import numpy as np
 from caffempi.parallel.comm import SingleWorld, launched_by_mpi
 from caffempi.parallel.reducer import Reducer, make_buckets
 
-from .mpirun import env, mpirun, needs_mpi
+from .mpirun import WORKERS, env, mpirun, needs_mpi
 
 
 def test_no_mpi_import_without_launcher():
@@ -76,3 +76,9 @@ def test_thread_level_follows_the_comm_mode():
             "assert w.size == 2 and w.thread_level == want, (sys.argv[1], w.thread_level)")
     for comm in ("thread", "overlap", "blocking"):
         mpirun(2, ["-c", code, comm])
+
+
+@needs_mpi
+def test_overlap_polls_between_kernel_chunks():
+    p = mpirun(2, [WORKERS / "progress_worker.py"])
+    assert "polls inside conv backward" in p.stdout

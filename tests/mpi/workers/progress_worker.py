@@ -1,0 +1,83 @@
+"""--comm=overlap polls its pending allreduces between the chunks of a CPU
+kernel, not only between layers: counts the transport's polls made inside
+the convolution's backward (chunks forced small), checks that the poll is
+uninstalled after finish, and that the averaged gradient is the mean."""
+import sys
+
+import numpy as np
+from google.protobuf import text_format
+
+from caffempi.backend import cpu, threads
+from caffempi.net import Net
+from caffempi.parallel.comm import get_world
+from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
+from caffempi.parallel.reducer import Reducer
+from caffempi.proto import caffe_pb2
+
+NET = """
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 8 dim: 3 dim: 10 dim: 10 } shape { dim: 8 } } }
+layer { name: "conv" type: "Convolution" bottom: "data" top: "conv"
+        convolution_param { num_output: 4 kernel_size: 3 weight_filler { type: "xavier" } } }
+layer { name: "ip" type: "InnerProduct" bottom: "conv" top: "ip"
+        inner_product_param { num_output: 5 weight_filler { type: "xavier" } } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
+"""
+
+
+def main():
+    world = get_world("overlap")
+    install_abort_handlers(world)
+    cpu._COL_CHUNK_BYTES = 4096          # a chunk per image or two
+    param = caffe_pb2.NetParameter()
+    text_format.Merge(NET, param)
+    net = Net(param)
+    broadcast_weights(net, world)
+    red = Reducer(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6)
+    red.attach(net)
+    transport = red.transport
+    polls = {"conv": 0}
+    inside = {"conv": False}
+    real_poll = transport.poll
+
+    def counting_poll():
+        if inside["conv"]:
+            polls["conv"] += 1
+        return real_poll()
+    transport.poll = counting_poll
+    conv = net.layers[net.layer_names.index("conv")]
+    real_backward = conv.backward
+
+    def timed_backward(*args):
+        inside["conv"] = True
+        try:
+            return real_backward(*args)
+        finally:
+            inside["conv"] = False
+    conv.backward = timed_backward
+    r = np.random.RandomState(world.rank)
+    net.blobs["data"].data[...] = r.randn(*net.blobs["data"].shape)
+    net.blobs["label"].data[...] = r.randint(0, 5, size=8)
+    own_net = Net(param)                 # this rank's own gradient, unreduced
+    own_net.param_data[...] = net.param_data
+    for name in ("data", "label"):
+        own_net.blobs[name].data[...] = net.blobs[name].data
+    own_net.clear_param_diffs()
+    own_net.forward_backward()
+    own = own_net.param_diff.copy()
+    net.clear_param_diffs()
+    red.start_iteration(net)
+    net.forward_backward()
+    red.finish(net)
+    assert threads._progress_here() is None, "the poll stayed installed after finish"
+    # the ip bucket starts before the conv's backward, whose chunks poll it
+    assert polls["conv"] >= 4, polls
+    mean = world.comm.allreduce(own.astype(np.float64)) / world.size
+    np.testing.assert_allclose(net.param_diff, mean, rtol=1e-5, atol=1e-7)
+    red.close()
+    if world.rank == 0:
+        print("polls inside conv backward:", polls["conv"])
+
+
+if __name__ == "__main__":
+    sys.exit(main())
