@@ -126,6 +126,19 @@ def test_scaling_model_blocking_and_overlap():
         assert exposed_o < exposed
 
 
+def test_scaling_model_buckets_follow_the_reducer_rule():
+    layers = [{"name": "conv1", "index": 0, "backward_ms": 1.0, "params": 500},
+              {"name": "conv2", "index": 1, "backward_ms": 4.0, "params": 25000},
+              {"name": "pool", "index": 2, "backward_ms": 1.0, "params": 0},
+              {"name": "ip", "index": 3, "backward_ms": 2.0, "params": 400000}]
+    # large caps: all but the lowest layer together, ready after conv2; conv1 alone at the end
+    assert scaling_model.buckets_from_layers(layers, 100, 100) == [
+        [pytest.approx(7e-3), 425000 * 4], [pytest.approx(8e-3), 500 * 4]]
+    # a 1 MB first bucket closes at ip
+    assert scaling_model.buckets_from_layers(layers, 100, 1.0) == [
+        [pytest.approx(2e-3), 400000 * 4], [pytest.approx(7e-3), 25000 * 4], [pytest.approx(8e-3), 500 * 4]]
+
+
 def test_scaling_model_straggler_term():
     e = scaling_model.expected_max_normal
     assert e(1) == 0.0

@@ -216,7 +216,9 @@ def layer_param_ranges(net):
 def make_buckets(net, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST_BUCKET_MB):
     """Buckets of whole layers in reverse layer order: list of
     (ready_layer, start, end, layer indices); ready_layer is the bucket's
-    lowest layer, after whose backward the bucket's gradients are final."""
+    lowest layer, after whose backward the bucket's gradients are final.
+    The first bucket closes at first_bucket_mb, the others at bucket_mb,
+    and the net's lowest parameter layer always has a bucket of its own."""
     itemsize = np.dtype(net.dtype).itemsize
     ranges = layer_param_ranges(net)
     buckets, cur = [], []
@@ -229,6 +231,11 @@ def make_buckets(net, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST
             cur, cap = [], bucket_mb
     if cur:
         buckets.append(cur)
+    if buckets and len(buckets[-1]) > 1:
+        # the lowest layer's gradient is final only when backward ends, so
+        # its bucket's sum is never hidden: keep that bucket to that layer
+        # (LeNet: conv2 then starts under pool1's and conv1's backward)
+        buckets.append([buckets[-1].pop()])
     out = []
     for layers in buckets:
         lo, hi = min(layers), max(layers)

@@ -44,8 +44,11 @@ def test_buckets_are_whole_layers_in_reverse_order():
     assert ends[0] == net.param_diff.size
     for (_, s, e, _), (_, s2, e2, _) in zip(per_layer, per_layer[1:]):
         assert e2 == s                                       # contiguous, descending ranges
-    one = make_buckets(net, bucket_mb=100, first_bucket_mb=100)
-    assert len(one) == 1 and one[0][1] == 0 and one[0][2] == net.param_diff.size
+    # large caps: everything in one bucket but the lowest layer, whose sum
+    # can start only when backward ends, so it goes alone
+    two = make_buckets(net, bucket_mb=100, first_bucket_mb=100)
+    assert [b[3] for b in two] == [owners[:-1], owners[-1:]]
+    assert two[0][2] == net.param_diff.size and two[1][1] == 0 and two[0][1] == two[1][2]
 
 
 def test_single_process_reducer_is_identity():
