@@ -655,22 +655,22 @@ def _padded_width_phases(x, geom, oh, ow, fill):
     return out, hp
 
 
-def _tiled_max_pool(x, kh, kw):
+def _tiled_max_pool(x, kh, kw, y, idx):
     """MAX pooling over non-overlapping windows that tile the image exactly
-    (kernel == stride, no pad; LeNet's 2x2/2): one copy puts every window tap
+    (kernel == stride, no pad; LeNet's 2x2/2), into y and idx as
+    :func:`max_pool_forward` returns them: one copy puts every window tap
     in its own contiguous plane (kh, kw, N*C*oh*ow), then the maxima are long
     contiguous ufuncs: along each row (first j that is strictly greater), then
     across rows (first row strictly greater), which is the raster-order first
-    maximum.  Returns (y, idx) as :func:`max_pool_forward`.  (Taps as strided
-    views of x, with no copy, measured 2-3x slower; np.copyto with where= is
-    ~40x slower than an int8 multiply-add select here.)"""
+    maximum.  (Taps as strided views of x, with no copy, measured 2-3x
+    slower; np.copyto with where= is ~40x slower than an int8 multiply-add
+    select here.)"""
     n, c, h, w = x.shape
     oh, ow = h // kh, w // kw
     b = n * c * oh
     ln = b * ow
     xt = _work("tpool_x", kh * kw * ln, x.dtype).reshape(kh, kw, ln)
     np.copyto(xt.reshape(kh, kw, b, ow), x.reshape(b, kh, ow, kw).transpose(1, 3, 0, 2))
-    y = np.empty((n, c, oh, ow), x.dtype)
     yb = y.reshape(ln)
     gt = _work("tpool_gt", ln, bool)
     g8 = gt.view(np.int8)
@@ -697,19 +697,17 @@ def _tiled_max_pool(x, kh, kw):
             d8 *= g8
             tj += d8
             np.maximum(ti, g8 if i == 1 else np.multiply(g8, np.int8(i), out=d8), out=ti)
-    idx = np.empty((n, c, oh, ow), np.int32)
     base = (np.arange(oh, dtype=np.int32) * (kh * w))[:, None] + np.arange(ow, dtype=np.int32) * kw
     np.add(tj.reshape(n * c, oh, ow), base, out=idx.reshape(n * c, oh, ow))
     iw = _work("tpool_iw", ln, np.int32)
     np.multiply(ti, np.int32(w), out=iw)
     idx.reshape(ln)[...] += iw
-    return y, idx
 
 
-def _max_pool_3x3s2(x):
+def _max_pool_3x3s2(x, y, idx):
     """MAX pooling 3x3 stride 2, no pad, even h and w, ceil mode (oh = h/2,
-    ow = w/2, the last window of each axis clipped to two taps); returns (y,
-    idx) as :func:`max_pool_forward`.
+    ow = w/2, the last window of each axis clipped to two taps), into y and
+    idx as :func:`max_pool_forward` returns them.
 
     In chunks of images whose working set stays in cache: one copy splits x
     into its four (row, column) stride phases, each contiguous (m, h/2, w/2);
@@ -728,8 +726,6 @@ def _max_pool_3x3s2(x):
     n, c, h, w = x.shape
     nc = n * c
     hq, wq = h // 2, w // 2
-    y = np.empty((n, c, hq, wq), x.dtype)
-    idx = np.empty((n, c, hq, wq), np.int32)
     yf = y.reshape(nc, hq * wq)
     idxf = idx.reshape(nc, hq * wq)
     xs = x.reshape(nc, hq, 2, wq, 2)
@@ -788,65 +784,62 @@ def _max_pool_3x3s2(x):
             dd = d.reshape(m, hq * wq).astype(np.int32)
             dd *= w
             ia += dd
-    return y, idx
 
 
-def _max_pool_forward(x, geom, oh, ow):
+def _max_pool_forward(x, geom, oh, ow, y, idx):
+    """MAX pooling of the images x into y and idx (:func:`max_pool_forward`)."""
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
     if _is_global(geom, h, w, oh, ow):
         flat = x.reshape(n, c, h * w)
-        idx = flat.argmax(axis=2)
-        y = np.take_along_axis(flat, idx[:, :, None], 2)
-        return y.reshape(n, c, 1, 1), idx.reshape(n, c, 1, 1).astype(np.int32)
+        i = flat.argmax(axis=2)
+        np.copyto(y.reshape(n, c, 1), np.take_along_axis(flat, i[:, :, None], 2))
+        np.copyto(idx.reshape(n, c), i)
+        return
     if kh == sh and kw == sw and not ph and not pw and oh * kh == h and ow * kw == w:
-        return _tiled_max_pool(x, kh, kw)
+        return _tiled_max_pool(x, kh, kw, y, idx)
     if (kh == kw == 3 and sh == sw == 2 and not ph and not pw and h % 2 == 0 and w % 2 == 0
             and oh == h // 2 and ow == w // 2):
-        return _max_pool_3x3s2(x)
+        return _max_pool_3x3s2(x, y, idx)
     # Separable: row maxima over the kw taps, then over kh rows; taking the
     # first strict maximum at each stage gives the window's raster-order first.
     phases, hp = _padded_width_phases(x, geom, oh, ow, -np.inf)
     row, jtap, _ = _window_max(phases, kw, sw, ow)
     row = row.reshape(n * c, hp, ow)
     jtap = jtap.reshape(n * c, hp, ow)
-    y, itap, jsel = _window_max(_phases(row, sh, 0), kh, sh, oh, _phases(jtap, sh, 0))
+    best, itap, jsel = _window_max(_phases(row, sh, 0), kh, sh, oh, _phases(jtap, sh, 0))
+    np.copyto(y.reshape(best.shape), best)
     hs = (np.arange(oh, dtype=np.int32) * sh - ph) * w
     ws = np.arange(ow, dtype=np.int32) * sw - pw
-    idx = itap.astype(np.int32)
-    idx *= w
-    idx += jsel
-    idx += (hs[:, None] + ws[None, :])
-    return y.reshape(n, c, oh, ow), idx.reshape(n, c, oh, ow)
+    i = idx.reshape(itap.shape)
+    np.multiply(itap, np.int32(w), out=i)
+    i += jsel
+    i += (hs[:, None] + ws[None, :])
 
 
-def _max_pool_backward(dy, idx, geom, x_shape):
-    """Routes each output gradient to its argmax (summing where windows that
-    overlap share one; np.add.at is a fast scatter-add in NumPy 2)."""
+def _max_pool_backward(dy, idx, geom, dx):
+    """Routes each output gradient to its argmax in dx (summing where windows
+    that overlap share one; np.add.at is a fast scatter-add in NumPy 2)."""
     kh, kw, sh, sw = geom[:4]
-    overlapping = kh > sh or kw > sw
-    n, c, h, w = x_shape
+    n, c, h, w = dx.shape
     offs = (np.arange(n * c, dtype=np.intp) * (h * w)).reshape(n, c, 1, 1)
     flat = (idx + offs).ravel()
-    dx = np.zeros(n * c * h * w, dy.dtype)
-    if overlapping:
-        np.add.at(dx, flat, dy.ravel())
+    dx.fill(0)
+    if kh > sh or kw > sw:
+        np.add.at(dx.reshape(-1), flat, dy.ravel())
     else:
-        dx[flat] = dy.ravel()
-    return dx.reshape(x_shape)
+        dx.reshape(-1)[flat] = dy.ravel()
 
 
 def _over_images(fn, inputs, outs):
-    """outs[k][images] = fn(*inputs[images])[k], over chunks of images
-    (:func:`_chunks`, by the size of an image of inputs and outs together)
-    on the intra-op threads: for the pooling kernels, which treat every
-    image alike."""
+    """fn(*inputs[images], *outs[images]) over chunks of images (:func:`_chunks`,
+    by the size of an image of inputs and outs together) on the intra-op
+    threads, fn writing its results into the chunks of outs: for the pooling
+    kernels, which treat every image alike.  Returns outs."""
     n = inputs[0].shape[0]
 
     def chunk(a, m):
-        r = fn(*[t[a:a + m] for t in inputs])
-        for o, v in zip(outs, r if isinstance(r, tuple) else (r,)):
-            o[a:a + m] = v
+        fn(*[t[a:a + m] for t in inputs + outs])
     _each_chunk(_chunks(n, sum(t[:1].nbytes for t in inputs + outs)), chunk)
     return outs
 
@@ -856,23 +849,22 @@ def max_pool_forward(x, geom, oh, ow):
     unpadded image of each window's first maximum in raster order (Caffe's)."""
     n, c = x.shape[:2]
     y, idx = np.empty((n, c, oh, ow), x.dtype), np.empty((n, c, oh, ow), np.int32)
-    return tuple(_over_images(lambda t: _max_pool_forward(t, geom, oh, ow), [x], [y, idx]))
+    return tuple(_over_images(lambda t, yt, it: _max_pool_forward(t, geom, oh, ow, yt, it), [x], [y, idx]))
 
 
 def max_pool_backward(dy, idx, geom, x_shape):
     dx = np.empty(x_shape, dy.dtype)
-    _over_images(lambda d, i: _max_pool_backward(d, i, geom, (len(d),) + tuple(x_shape[1:])), [dy, idx], [dx])
-    return dx
+    return _over_images(lambda d, i, dxt: _max_pool_backward(d, i, geom, dxt), [dy, idx], [dx])[0]
 
 
 def ave_pool_forward(x, geom, oh, ow):
     y = np.empty(x.shape[:2] + (oh, ow), x.dtype)
-    return _over_images(lambda t: _ave_pool_forward(t, geom, oh, ow), [x], [y])[0]
+    return _over_images(lambda t, yt: _ave_pool_forward(t, geom, oh, ow, yt), [x], [y])[0]
 
 
 def ave_pool_backward(dy, geom, x_shape):
     dx = np.empty(x_shape, dy.dtype)
-    return _over_images(lambda d: _ave_pool_backward(d, geom, (len(d),) + tuple(x_shape[1:])), [dy], [dx])[0]
+    return _over_images(lambda d, dxt: _ave_pool_backward(d, geom, dxt), [dy], [dx])[0]
 
 
 def _is_global(geom, h, w, oh, ow):
@@ -912,28 +904,30 @@ def _ave_matrix(geom, h, w, oh, ow, dtype):
     return m
 
 
-def _ave_pool_forward(x, geom, oh, ow):
+def _ave_pool_forward(x, geom, oh, ow, y):
+    """AVE pooling of the images x into y."""
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
     if oh * ow <= _AVE_GEMM_MAX_OUT:      # global pooling included (one output)
         m = _ave_matrix(tuple(geom[:6]), h, w, oh, ow, x.dtype.str)
-        return (x.reshape(n * c, h * w) @ m).reshape(n, c, oh, ow)
+        np.matmul(x.reshape(n * c, h * w), m, out=y.reshape(n * c, oh * ow))
+        return
     scale = _ave_scale(geom, h, w, oh, ow, x.dtype)
     # separable window sums (zero padding), as for MAX
     phases, hp = _padded_width_phases(x, geom, oh, ow, 0)
     row = _window_sum(phases, kw, sw, ow).reshape(n * c, hp, ow)
-    y = _window_sum(_phases(row, sh, 0), kh, sh, oh).reshape(n, c, oh, ow)
-    y *= scale
-    return y
+    np.multiply(_window_sum(_phases(row, sh, 0), kh, sh, oh).reshape(n, c, oh, ow), scale, out=y)
 
 
-def _ave_pool_backward(dy, geom, x_shape):
+def _ave_pool_backward(dy, geom, dx):
+    """The gradient of AVE pooling, into dx (the images' input shape)."""
     kh, kw, sh, sw, ph, pw = geom[:6]
-    n, c, h, w = x_shape
+    n, c, h, w = dx.shape
     oh, ow = dy.shape[2:]
     if oh * ow <= _AVE_GEMM_MAX_OUT:      # global pooling included (one output)
         m = _ave_matrix(tuple(geom[:6]), h, w, oh, ow, dy.dtype.str)
-        return (dy.reshape(n * c, oh * ow) @ m.T).reshape(x_shape)
+        np.matmul(dy.reshape(n * c, oh * ow), m.T, out=dx.reshape(n * c, h * w))
+        return
     g = dy * _ave_scale(geom, h, w, oh, ow, dy.dtype)
     hp = max(h + 2 * ph, (oh - 1) * sh + kh)
     wp = max(w + 2 * pw, (ow - 1) * sw + kw)
@@ -945,7 +939,7 @@ def _ave_pool_backward(dy, geom, x_shape):
     dxpad = np.zeros((n, c, hp, wp), dy.dtype)
     for sl in _window_slices(kw, sw, ow):
         dxpad[:, :, :, sl] += rows
-    return np.ascontiguousarray(dxpad[:, :, ph:ph + h, pw:pw + w])
+    np.copyto(dx, dxpad[:, :, ph:ph + h, pw:pw + w])
 
 
 def channel_window_sum(a, size, pre):
