@@ -14,8 +14,9 @@ That replaced the full im2col (kh*kw times the input) and cut the forward
 and weight gradient of LeNet's conv2 and CIFAR10-quick's convs by 15-30%.
 The full column matrix (:func:`im2col`, by strided copies with no loop over
 images or pixels) remains for vertical strides > 1, few input rows per
-product (LeNet's one-channel conv1), and the data gradient's GEMM +
-col2im.  Scratch buffers persist between calls, one set per thread (see
+product (LeNet's one-channel conv1; one matrix and product per image when
+its reduction is short, see _PER_IMAGE_MAX_K), and the data gradient's
+GEMM + col2im.  Scratch buffers persist between calls, one set per thread (see
 :func:`_work`).  The chunks, and the images of a pooling, run on the
 intra-op threads (:mod:`caffempi.backend.threads`), BLAS at one thread.
 
@@ -47,6 +48,17 @@ _COL_CHUNK_BYTES = int(1.5 * (1 << 20))
 # Convolutions with vertical stride 1 and at least this many rows in a row
 # tap's product (C/group*kw) run as row-tap products (see _conv_row_taps).
 _ROW_TAP_MIN_K = 8
+
+# The other forwards (few input rows, or vertical stride > 1) multiply one
+# column matrix per image, written straight to NCHW, when a product has at
+# most this many rows (C/group*kh*kw); otherwise one product per chunk of
+# images.  With so short a reduction the chunk-wide product runs at memory
+# speed (its operands and result leave the cache) and needs a reordering
+# copy after; per image, 1 thread: LeNet conv1 (25 rows) 0.96-1.38 -> 0.67-1.0
+# ms, 2-channel 3x3 (18) 0.9-1.15 -> 0.46-0.61, 3-channel 5x5/2 (75) 5.5 ->
+# 4.8, 12-channel 3x3/2 (108) 1.45 -> 1.12; the same at 147 rows (ResNet's
+# 7x7/2 conv1), 15% slower at 363 (AlexNet's conv1).
+_PER_IMAGE_MAX_K = 128
 
 _tls = threading.local()
 
@@ -147,10 +159,11 @@ def _unfold_width(xpad, geom, ow, out):
     return u
 
 
-def im2col(xpad, geom, oh, ow, out=None):
+def im2col(xpad, geom, oh, ow, out=None, per_image=False):
     """Column matrix of a padded batch ``xpad`` (N, C, Hp, Wp): returns
     (C*kh*kw, N*oh*ow), rows ordered (c, i, j) as Caffe's weight layout,
-    columns ordered (n, y, x).
+    columns ordered (n, y, x); with ``per_image``, one such matrix per
+    image, (N, C*kh*kw, oh*ow).
 
     With vertical stride 1 this is two strided copies: first the input is
     unfolded along the kernel width only, u[n, c, j, h, x] = xpad[n, c, h,
@@ -160,21 +173,22 @@ def im2col(xpad, geom, oh, ow, out=None):
     together (CIFAR10-quick conv2: 8.6 -> 4.8 ms per batch)."""
     kh, kw, sh, sw, _, _, dh, dw = geom
     n, c, hp, _ = xpad.shape
-    s_n, s_c, s_h, s_w = xpad.strides
+    lead = (n, c, kh, kw) if per_image else (c, kh, kw, n)
     if out is None:
-        out = np.empty((c, kh, kw, n, oh * ow), xpad.dtype)
+        out = np.empty(lead + (oh * ow,), xpad.dtype)
     else:
-        out = out.reshape(c, kh, kw, n, oh * ow)
+        out = out.reshape(lead + (oh * ow,))
     if sh == 1:
         u = _unfold_width(xpad, geom, ow, _work("unfold", n * c * kw * hp * ow, xpad.dtype))
         u_n, u_c, u_j, u_h, u_x = u.strides
-        view = as_strided(u, (c, kh, kw, n, oh * ow), (u_c, dh * u_h, u_j, u_n, u_x), writeable=False)
-        np.copyto(out, view)
+        steps = (u_n, u_c, dh * u_h, u_j) if per_image else (u_c, dh * u_h, u_j, u_n)
+        np.copyto(out, as_strided(u, lead + (oh * ow,), steps + (u_x,), writeable=False))
     else:
-        view = as_strided(xpad, (c, kh, kw, n, oh, ow),
-                          (s_c, dh * s_h, dw * s_w, s_n, sh * s_h, sw * s_w), writeable=False)
-        np.copyto(out.reshape(c, kh, kw, n, oh, ow), view)
-    return out.reshape(c * kh * kw, n * oh * ow)
+        s_n, s_c, s_h, s_w = xpad.strides
+        steps = (s_n, s_c, dh * s_h, dw * s_w) if per_image else (s_c, dh * s_h, dw * s_w, s_n)
+        np.copyto(out.reshape(lead + (oh, ow)),
+                  as_strided(xpad, lead + (oh, ow), steps + (sh * s_h, sw * s_w), writeable=False))
+    return out.reshape((n, c * kh * kw, oh * ow) if per_image else (c * kh * kw, n * oh * ow))
 
 
 def col2im(col, geom, oh, ow, out):
@@ -221,9 +235,16 @@ def conv2d_forward(x, w, geom, group, bias=None):
         return y
     p = oh * ow
     k = c * kh * kw
+    per_image = k // g <= _PER_IMAGE_MAX_K
 
     def chunk(a, m):
-        col = im2col(xpad[a:a + m], geom, oh, ow, _work("col", k * m * p, x.dtype))
+        col = im2col(xpad[a:a + m], geom, oh, ow, _work("col", k * m * p, x.dtype), per_image)
+        if per_image:
+            ya = y[a:a + m].reshape(m, g, o // g, p)
+            np.matmul(wg, col.reshape(m, g, k // g, p), out=ya)
+            if bias is not None:
+                ya += bias.reshape(g, o // g, 1)
+            return
         r = np.matmul(wg, col.reshape(g, k // g, m * p),
                       out=_work("gemm", o * m * p, x.dtype).reshape(g, o // g, m * p))
         r = r.reshape(o, m, oh, ow).transpose(1, 0, 2, 3)

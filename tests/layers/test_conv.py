@@ -88,15 +88,16 @@ CASES = [
 ]
 
 
-@pytest.fixture(params=["row_taps_per_image", "row_taps_batch", "columns"])
+@pytest.fixture(params=["row_taps_per_image", "row_taps_batch", "columns_per_image", "columns_batch"])
 def conv_path(request, monkeypatch):
     """Runs a test with convolution forward and weight gradient either as
     products per kernel row (where the stride allows; the weight gradient
     with per-image partials or one batch product) or through the full column
-    matrix.  The kernels pick by shape and a test's tiny shapes would see
-    only one."""
+    matrix (the forward's product per image or per chunk of images).  The
+    kernels pick by shape and a test's tiny shapes would see only one."""
     from caffempi.backend import cpu
-    row_taps = request.param != "columns"
+    row_taps = request.param.startswith("row_taps")
+    monkeypatch.setattr(cpu, "_PER_IMAGE_MAX_K", 1 << 30 if request.param == "columns_per_image" else 0)
     monkeypatch.setattr(cpu, "_forward_by_row_taps", lambda geom, cg: row_taps and geom[2] == 1)
     monkeypatch.setattr(cpu, "_dw_by_row_taps", lambda geom: row_taps and geom[2] == 1)
     monkeypatch.setattr(cpu, "_dw_per_image", lambda geom, cg, og, p: request.param == "row_taps_per_image")
