@@ -8,7 +8,10 @@ For each net, at the same per-rank batch and 1 BLAS thread per process:
 
 Prints aggregate images/s (each process's timed images over the time they
 took, summed over processes), efficiency (the 2-rank job's aggregate over
-the independent pair's), and per iteration in ms: step (mean, and median),
+the independent pair's; the independent row also says what efficiency the
+pair would have if both went at its slower process's pace, the ceiling for
+any synchronous job on cores that run at unequal speeds), and per iteration
+in ms: step (mean, and median),
 compute (forward+backward+update), allreduce (a blocking allreduce of the
 whole gradient, measured alone after the run), exposed (time spent in the
 reducer's wait after backward), split into skew (waiting for the other rank
@@ -239,7 +242,12 @@ def run_paired(a, net, comm, n):
 
 def summarize(res):
     import numpy as np
-    return {"images_per_s": sum(r["images_per_s"] for r in res),
+    rates = [r["images_per_s"] for r in res]
+    return {"images_per_s": sum(rates),
+            # what a synchronous job of these processes could reach: all go
+            # at the slowest one's pace (for the independent pair, whose
+            # processes sit on cores of unequal speed on a shared host)
+            "sync_ceiling": len(rates) * min(rates) / sum(rates),
             "step_ms": float(np.mean([r["step_ms"] for r in res])),
             "median_step_ms": float(np.mean([r["median_step_ms"] for r in res])),
             "compute_ms": float(np.mean([r["compute_ms"] for r in res])),
@@ -312,7 +320,8 @@ def main():
             print("%-14s %-12s %9.1f %6.3f %8.2f %8.2f %8.2f %9.2f %8.2f %8.2f %8.2f%s" % (
                 net, label, s["images_per_s"], s["efficiency"], s["step_ms"], s["median_step_ms"], s["compute_ms"],
                 s["allreduce_ms"], s["exposed_ms"], s["skew_ms"], s["comm_exposed_ms"],
-                "" if kind == "independent" else "  (%.1f%% of step exposed)" % (100 * s["exposed_ms"] / s["step_ms"])))
+                "  (slowest process at the pace of all: %.3f)" % s["sync_ceiling"] if kind == "independent"
+                else "  (%.1f%% of step exposed)" % (100 * s["exposed_ms"] / s["step_ms"])))
         allres[net] = best
         sys.stdout.flush()
     if a.json:

@@ -15,6 +15,17 @@ call OpenBLAS's workers spin for a while waiting for more, taking the second
 core from whatever runs next (CIFAR10-quick's forward: 52 ms with kernels on
 2 threads beside a spinning BLAS, 31-36 ms with the spin cut short).
 
+What limits the gain: between NumPy calls a thread needs the GIL, and
+handing it over costs tens of microseconds on this VM, so chunks made of
+many short calls scale badly.  Two threads each running ufuncs on 46K
+floats (about 18 us a call) took 2.2x as long as one thread doing its share
+alone, and on 4K floats 3x; at 200K floats, 1.16x.  The convolution chunks,
+mostly GEMMs that release the GIL for a millisecond, gain 1.25-1.45x at 2
+threads (CIFAR10-quick conv1-conv3, one run), the pooling chunks little or
+nothing (LeNet's pool1 forward 1.1 -> 1.4 ms, CIFAR10-quick's pool1 6.5 ->
+5.4-5.8 ms).  Pooling stays threaded all the same: run serially, it made
+CIFAR10-quick's step at 2 threads 89-94 ms instead of 84-89.
+
 The convolutions' and poolings' chunks never depend on T, and their
 partial sums are folded in chunk order, so their results are bitwise the
 same for any thread count (products split by :func:`cpu.matmul` may differ
