@@ -139,7 +139,7 @@ class StagedTransport:
         return self.host.poll()
 
     def backward_end(self):
-        pass
+        self.host.backward_end()
 
     def wait(self, handle):
         request, h, buf = handle
