@@ -212,31 +212,41 @@ def layer_param_ranges(net):
     return ranges
 
 
+def group_buckets(nbytes, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST_BUCKET_MB):
+    """The bucket rule, on the byte sizes of the layers with parameters in
+    reverse layer order: lists of positions in ``nbytes``, one per bucket.
+    The first bucket closes at first_bucket_mb, the others at bucket_mb
+    (None: never), and the lowest layer always has a bucket of its own: its
+    gradient is final only when backward ends, so its sum is never hidden
+    (LeNet: conv2's bucket then starts under pool1's and conv1's backward).
+    tools/scaling_model.py models the reducer with the same rule."""
+    groups, cur, size = [], [], 0
+    cap = first_bucket_mb
+    for i, b in enumerate(nbytes):
+        cur.append(i)
+        size += b
+        if cap is not None and size >= cap * 2 ** 20:
+            groups.append(cur)
+            cur, size, cap = [], 0, bucket_mb
+    if cur:
+        groups.append(cur)
+    if groups and len(groups[-1]) > 1:
+        groups.append([groups[-1].pop()])
+    return groups
+
+
 def make_buckets(net, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST_BUCKET_MB):
-    """Buckets of whole layers in reverse layer order: list of
-    (ready_layer, start, end, layer indices); ready_layer is the bucket's
-    lowest layer, after whose backward the bucket's gradients are final.
-    The first bucket closes at first_bucket_mb, the others at bucket_mb,
-    and the net's lowest parameter layer always has a bucket of its own."""
+    """Buckets of whole layers in reverse layer order (:func:`group_buckets`):
+    list of (ready_layer, start, end, layer indices); ready_layer is the
+    bucket's lowest layer, after whose backward the bucket's gradients are
+    final."""
     itemsize = np.dtype(net.dtype).itemsize
     ranges = layer_param_ranges(net)
-    buckets, cur = [], []
-    cap = first_bucket_mb
-    for li in sorted(ranges, reverse=True):
-        cur.append(li)
-        nbytes = (ranges[cur[0]][1] - ranges[li][0]) * itemsize
-        if cap is not None and nbytes >= cap * 2 ** 20:
-            buckets.append(cur)
-            cur, cap = [], bucket_mb
-    if cur:
-        buckets.append(cur)
-    if buckets and len(buckets[-1]) > 1:
-        # the lowest layer's gradient is final only when backward ends, so
-        # its bucket's sum is never hidden: keep that bucket to that layer
-        # (LeNet: conv2 then starts under pool1's and conv1's backward)
-        buckets.append([buckets[-1].pop()])
+    order = sorted(ranges, reverse=True)
     out = []
-    for layers in buckets:
+    for group in group_buckets([(ranges[li][1] - ranges[li][0]) * itemsize for li in order],
+                               bucket_mb, first_bucket_mb):
+        layers = [order[i] for i in group]
         lo, hi = min(layers), max(layers)
         out.append((lo, ranges[lo][0], ranges[hi][1], layers))
     return out

@@ -49,28 +49,17 @@ def ring_time(nbytes, n, alpha, beta):
 
 
 def buckets_from_layers(layers, bucket_mb, first_bucket_mb=1.0, itemsize=4):
-    """(ready time after backward start (s), bytes) per bucket, the reducer's
-    rule (caffempi.parallel.reducer.make_buckets): whole layers in reverse
-    order, the first bucket closes at first_bucket_mb, the others at
-    bucket_mb, and the lowest parameter layer goes alone.  A bucket is ready
-    after its lowest layer's backward."""
+    """(ready time after backward start (s), bytes) per bucket, by the
+    reducer's rule (caffempi.parallel.reducer.group_buckets).  A bucket is
+    ready after its lowest layer's backward."""
+    from ..parallel.reducer import group_buckets
     t, params = 0.0, []
     for L in sorted(layers, key=lambda L: -L["index"]):
         t += L["backward_ms"] / 1e3
         if L["params"]:
             params.append((t, L["params"] * itemsize))
-    groups, cur = [], []
-    cap = first_bucket_mb
-    for p in params:
-        cur.append(p)
-        if sum(b for _, b in cur) >= cap * 2 ** 20:
-            groups.append(cur)
-            cur, cap = [], bucket_mb
-    if cur:
-        groups.append(cur)
-    if groups and len(groups[-1]) > 1:
-        groups.append([groups[-1].pop()])
-    return [[g[-1][0], sum(b for _, b in g)] for g in groups]
+    groups = group_buckets([b for _, b in params], bucket_mb, first_bucket_mb)
+    return [[params[g[-1]][0], sum(params[i][1] for i in g)] for g in groups]
 
 
 def expected_max_normal(n):
