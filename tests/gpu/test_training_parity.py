@@ -1,7 +1,13 @@
 """LeNet trained for 20 iterations on CuPy follows the NumPy trajectory: the
 loss of every iteration agrees to 1e-4 relative, the final weights to 2e-4 of
 their largest magnitude (float32 rounding in different summation orders
-compounds over the updates: 1.1e-4 measured on an H100)."""
+compounds over the updates: 1.1e-4 measured on an H100).
+
+The losses also get an absolute floor of 1e-5: the loss is read from logits
+of magnitude ~10, whose float32 rounding alone moves it by a few 1e-6, so
+once the loss has fallen to ~0.02 a purely relative 1e-4 would test the
+logits' last bits (measured on an H100: at most 6.9e-6 absolute over the
+run, 1.5e-4 relative at a loss of 0.026)."""
 import numpy as np
 import pytest
 
@@ -58,5 +64,5 @@ def test_lenet_20_iterations_match_cpu(cupy, tmp_path):
         runs.append(trajectory(lenet_solver(source, xp, tmp_path), 20))
     (cpu_loss, cpu_w), (gpu_loss, gpu_w) = runs
     assert cpu_loss[-1] < 0.8 * cpu_loss[0]          # it learned something
-    np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-4)
+    np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-4, atol=1e-5)
     assert np.abs(gpu_w - cpu_w).max() <= 2e-4 * np.abs(cpu_w).max()
