@@ -215,7 +215,16 @@ def get_world(comm=None):
                              % (n if n is not None else "?", e))
         _world = SingleWorld()
         return _world
-    _world = MPIWorld(MPI)
+    world = MPIWorld(MPI)
+    n = _launcher_size()
+    if n is not None and n != world.size:
+        # an mpiexec of one MPI with mpi4py on another: each process would
+        # init alone and train (and snapshot) as its own single rank
+        raise CaffeError("the launcher started %d ranks but MPI sees %d: mpiexec and the MPI library "
+                         "that mpi4py loads (%s) differ; use that MPI's mpiexec, or point mpi4py at "
+                         "the launcher's library (MPI4PY_LIBMPI=/path/to/libmpi.so)"
+                         % (n, world.size, world.library_version()))
+    _world = world
     return _world
 
 

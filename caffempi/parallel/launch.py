@@ -209,7 +209,11 @@ def exit_code(rc, world=None):
     """Under MPI a rank that fails must not just exit (the others would wait
     in a collective, and mpi4py's MPI_Finalize at exit would hang): abort the
     whole job with rc instead.  Returns rc when it is 0 or there is one rank."""
-    world = world or get_world()
+    if world is None:
+        try:
+            world = get_world()
+        except CaffeError:      # no world could be made (the error being reported): nothing to abort
+            return rc
     if rc and world.size > 1:
         world.abort(int(rc))
     return rc

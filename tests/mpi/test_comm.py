@@ -7,7 +7,7 @@ import numpy as np
 from caffempi.parallel.comm import SingleWorld, launched_by_mpi
 from caffempi.parallel.reducer import Reducer, make_buckets
 
-from .mpirun import WORKERS, env, mpirun, needs_mpi
+from .mpirun import REPO, WORKERS, env, mpirun, needs_mpi
 
 
 def test_no_mpi_import_without_launcher():
@@ -26,6 +26,21 @@ def test_launcher_detection():
     assert not launched_by_mpi({})
     assert not launched_by_mpi({"PMI_SIZE": "2", "CAFFEMPI_MPI": "0"})
     assert launched_by_mpi({"CAFFEMPI_MPI": "1"})
+
+
+@needs_mpi
+def test_launcher_and_mpi_library_that_disagree_fail_in_one_line():
+    # Open MPI's launcher variables with mpi4py on MPICH: each process would
+    # init a world of 1 and train alone, so the CLI must refuse
+    e = env()
+    for v in ("PMI_SIZE", "PMI_RANK", "PMIX_RANK", "MPI_LOCALNRANKS"):
+        e.pop(v, None)
+    e["OMPI_COMM_WORLD_SIZE"] = "2"
+    p = subprocess.run([sys.executable, "-m", "caffempi", "train", "--solver=models/mnist/lenet_solver.prototxt"],
+                       env=e, capture_output=True, text=True, timeout=60, cwd=str(REPO))
+    assert p.returncode == 1
+    assert "caffempi: error: the launcher started 2 ranks but MPI sees 1" in p.stderr
+    assert "Traceback" not in p.stderr
 
 
 def _net():
