@@ -8,7 +8,7 @@ import numpy as np
 from .backend import synchronize
 from .common import CaffeError, TRAIN, log
 from .io import proto_io
-from .net import Net, phase_from_name
+from .net import Net, filter_net, phase_from_name
 from .proto import caffe_pb2
 
 # Layers that read their data from files; `time` can stand in for them.
@@ -174,11 +174,16 @@ def time_command(flags):
     phase_name = getattr(flags, "phase", None)
     phase = phase_from_name(phase_name) if phase_name else TRAIN
     stages = [s for s in (getattr(flags, "stage", None) or "").split(",") if s]
+    level = int(getattr(flags, "level", 0) or 0)
     param = proto_io.read_net_param(model)
-    param = substitute_data_layers(param, _parse_shape(getattr(flags, "data_shape", None)))
+    # only the data layers of the timed phase's net need a source (as Caffe,
+    # which builds that net alone: a TEST LMDB may be absent when timing TRAIN)
+    param.state.phase, param.state.level = phase, level
+    param.state.stage[:] = stages
+    param = substitute_data_layers(filter_net(param), _parse_shape(getattr(flags, "data_shape", None)))
     from .cli import select_backend
     xp = select_backend(flags)
-    net = Net(param, phase=phase, level=int(getattr(flags, "level", 0) or 0), stages=stages,
+    net = Net(param, phase=phase, level=level, stages=stages,
               weights=getattr(flags, "weights", None) or None, xp=xp, source_name=model,
               memory=getattr(flags, "memory", None) or None)
     randomize_inputs(net)

@@ -192,3 +192,24 @@ def test_gpu_flag_parsing_and_errors_without_a_gpu(monkeypatch):
                        (["test", "--model=m.prototxt", "--weights=w.caffemodel", "--gpu=all"], "--gpu=all")):
         with pytest.raises(CaffeError, match="%s: no usable GPU" % what):
             main(argv + ["--debug"])
+
+
+def test_time_reads_only_the_timed_phases_data_layers(tmp_path):
+    """As `caffe time`: timing TRAIN needs the TRAIN LMDB only; a TEST
+    layer's missing source is not the timed net's business."""
+    import numpy as np
+    from caffempi.data import lmdb_io
+    from caffempi.data.datum import array_to_datum
+    with lmdb_io.LMDBWriter(str(tmp_path / "train_lmdb")) as w:
+        for i in range(8):
+            w.put("%08d" % i, array_to_datum(np.full((1, 4, 4), i, np.uint8), i % 3).SerializeToString())
+    data = ('layer { name: "d" type: "Data" top: "x" top: "label" include { phase: %s }\n'
+            '  data_param { source: "%s" backend: LMDB batch_size: 4 } }\n')
+    (tmp_path / "net.prototxt").write_text(
+        data % ("TRAIN", "train_lmdb") + data % ("TEST", "missing_test_lmdb") + NET.split("\n", 4)[4] % 3)
+    res = caffempi(tmp_path, "time", "--model=net.prototxt", "--iterations=2")
+    assert res.returncode == 0, res.stderr
+    assert "Average Forward-Backward" in res.stderr
+    assert "random input" not in res.stderr
+    assert_one_line_error(caffempi(tmp_path, "time", "--model=net.prototxt", "--iterations=2", "--phase=TEST"),
+                          "layer 'd': cannot read 'missing_test_lmdb'.*--data_shape")
