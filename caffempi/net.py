@@ -136,6 +136,10 @@ class Net:
         self.data_shard = tuple(data_shard)
         self.net_param = insert_splits(filter_net(param))
         self._backward_hooks = []
+        # Backward seeds each loss top with loss_weight * gradient_scale, and
+        # every gradient is linear in that seed: a reducer that sums the ranks'
+        # gradients sets 1/N here and gets their mean with no pass over them.
+        self.gradient_scale = 1.0
         self._init_layers()
         self._init_params()
         self._init_backward()
@@ -349,7 +353,7 @@ class Net:
                     mm.before_backward(i)
                 tops = self.top_vecs[i]
                 for j, w in self.loss_weights[i]:
-                    tops[j].diff = self.xp.full(tops[j].shape, w, self.dtype)
+                    tops[j].diff = self.xp.full(tops[j].shape, w * self.gradient_scale, self.dtype)
                 self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
             if mm:
                 mm.after_backward(i)

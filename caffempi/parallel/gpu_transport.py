@@ -4,7 +4,7 @@ interface (allreduce_start / poll / wait / allreduce / backward_end).
 NCCLTransport   NCCL allreduce of each bucket on a side stream, ordered
                 after the compute stream's writes by an event; ``wait`` makes
                 the compute stream wait for the bucket's event, so the host
-                never blocks and the 1/N scaling queues behind the sums.
+                never blocks.
 StagedTransport MPI on pinned host copies (the fallback: no NCCL, or two
                 ranks on one GPU, which NCCL refuses).
 

@@ -7,7 +7,9 @@ in *reverse* layer order, into buckets (contiguous ranges of that buffer).
 A bucket is complete once the backward of its lowest layer has run (shared
 parameters belong to their earliest layer, so nothing writes into a bucket
 after that); the net's backward hook then starts a non-blocking sum over
-ranks on it.  ``finish`` waits for all buckets and scales by 1/N.
+ranks on it.  ``finish`` waits for all buckets.  The sums are already means:
+the reducer sets the net's ``gradient_scale`` to 1/N, so backward produces
+each rank's gradient divided by N (no pass over the buffer after the wait).
 
 The network is reached only through a *transport* (the GPU seam):
 
@@ -307,6 +309,7 @@ class Reducer:
         self._top_layer = len(net.layers) - 1
         if not self.active:
             return
+        net.gradient_scale = 1.0 / self.size     # the sums are then means
         if self.transport is None:
             self.transport = make_transport(self.world, self.comm, net.xp)
         if not isinstance(net.param_diff, np.ndarray) and not self.transport.device_buffers:
@@ -323,11 +326,13 @@ class Reducer:
             log.info("Data parallel over %d ranks (%s): %s", self.size, self.transport.name, desc)
 
     def detach(self):
-        if self.net is not None and self.buckets:
-            try:
-                self.net.remove_backward_hook(self._hook)
-            except ValueError:
-                pass
+        if self.net is not None:
+            self.net.gradient_scale = 1.0
+            if self.buckets:
+                try:
+                    self.net.remove_backward_hook(self._hook)
+                except ValueError:
+                    pass
         self.net = None
         self.buckets = []
 
@@ -368,7 +373,8 @@ class Reducer:
         self._handles.append(self.transport.allreduce_start(self.net.param_diff[s:e]))
 
     def finish(self, net):
-        """Wait for the sums, scale by 1/N; returns the exposed seconds."""
+        """Wait for the sums (means: backward ran with the net's
+        gradient_scale at 1/N); returns the exposed seconds."""
         t0 = time.perf_counter()
         if self.active:
             self.transport.backward_end()
@@ -383,7 +389,6 @@ class Reducer:
                         self._handles.append(self.transport.allreduce_start(net.param_diff[s:e]))
                 for h in self._handles:
                     self.transport.wait(h)
-            net.param_diff *= net.param_diff.dtype.type(1.0 / self.size)
         self._handles = []
         self._armed = False
         self.last_exposed = time.perf_counter() - t0
