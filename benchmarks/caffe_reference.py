@@ -1,0 +1,133 @@
+"""caffempi against BVLC Caffe on this machine, at the same moment: `caffe
+time` and `caffempi time` on the same train_test prototxts (models/), reading
+the same LMDBs, alternating run by run, at 1 and 2 BLAS threads.
+
+    python benchmarks/caffe_reference.py --caffe PATH [--threads 1,2]
+        [--rounds 3] [--iterations 50] [--nets lenet,cifar]
+
+PATH is a BVLC Caffe `caffe` binary built for the CPU with OpenBLAS
+(benchmarks/build_caffe.sh builds one from BVLC's sources).  Both tools time
+the TRAIN net layer by layer, data layer included, and print "Average
+Forward-Backward" per iteration; this prints the median and the best of the
+rounds for each, Caffe's median over ours, and both per-layer tables.  The LMDBs hold random images
+of the nets' sizes (LeNet 1x28x28, batch 64; CIFAR10-quick 3x32x32 with
+their mean file, batch 100): GEMM time does not depend on the values.  The
+host's speed drifts by +-20% over minutes, so only the runs of one
+invocation compare.
+"""
+import argparse
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import numpy as np
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+NETS = {
+    "lenet": ("LeNet", "models/mnist/lenet_train_test.prototxt"),
+    "cifar": ("CIFAR10-quick", "models/cifar10/cifar10_quick_train_test.prototxt"),
+}
+AVERAGE = re.compile(r"Average Forward-Backward: ([0-9.]+) ms")
+LAYER = re.compile(r"\]\s+(\S+)\s+(forward|backward): ([0-9.]+) ms")   # the same lines in both
+
+
+def make_data(root):
+    """The LMDBs and mean file that the two train_test prototxts name,
+    relative to ``root`` (both tools run with it as working directory)."""
+    from caffempi.data import lmdb_io
+    from caffempi.data.datum import array_to_datum
+    from caffempi.io import proto_io
+    rs = np.random.RandomState(0)
+
+    def lmdb(path, shape, count):
+        images = rs.randint(0, 256, (count,) + shape).astype(np.uint8)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with lmdb_io.LMDBWriter(str(path)) as w:
+            for i, im in enumerate(images):
+                w.put("%08d" % i, array_to_datum(im, int(rs.randint(10))).SerializeToString())
+        return images
+    lmdb(root / "examples/mnist/mnist_train_lmdb", (1, 28, 28), 640)
+    images = lmdb(root / "examples/cifar10/cifar10_train_lmdb", (3, 32, 32), 1000)
+    proto_io.write_binary_proto_atomic(
+        str(root / "examples/cifar10/mean.binaryproto"),
+        proto_io.array_to_blob_proto(images.mean(axis=0, dtype=np.float64).astype(np.float32)[None]))
+
+
+def run_time(command, root, threads):
+    env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    p = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    found = AVERAGE.findall(log)
+    if p.returncode or not found:
+        sys.exit("%s failed (exit %d):\n%s" % (" ".join(command), p.returncode, log[-3000:]))
+    layers = {}
+    for name, direction, ms in LAYER.findall(log):
+        layers.setdefault(name, {})[direction] = float(ms)
+    return float(found[-1]), layers
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--caffe", required=True, help="path of BVLC Caffe's caffe binary")
+    ap.add_argument("--nets", default="lenet,cifar")
+    ap.add_argument("--threads", default="1,2")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iterations", type=int, default=50)
+    args = ap.parse_args()
+    caffe = shutil.which(args.caffe) or args.caffe
+    if not os.access(caffe, os.X_OK):
+        sys.exit("no Caffe binary at %s (benchmarks/build_caffe.sh builds one)" % args.caffe)
+    nets = args.nets.split(",")
+    threads = [int(t) for t in args.threads.split(",")]
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        make_data(root)
+        for key in nets:
+            name, model = NETS[key]
+            shutil.copy(REPO / model, root / Path(model).name)
+            for t in threads:
+                times = {"caffe": [], "caffempi": []}
+                layers = {"caffe": [], "caffempi": []}
+                for r in range(args.rounds):
+                    # alternate which goes first, so a drift in the host's
+                    # speed does not favour one
+                    order = ["caffe", "caffempi"] if r % 2 == 0 else ["caffempi", "caffe"]
+                    for tool in order:
+                        if tool == "caffe":
+                            cmd = [caffe, "time", "-model", Path(model).name, "-iterations", str(args.iterations)]
+                        else:
+                            cmd = [sys.executable, "-m", "caffempi", "time", "--model=" + Path(model).name,
+                                   "--iterations=%d" % args.iterations]
+                        total, per_layer = run_time(cmd, root, t)
+                        times[tool].append(total)
+                        layers[tool].append(per_layer)
+                        print("  %-14s %d thread(s)  %-8s %8.2f ms" % (name, t, tool, times[tool][-1]), flush=True)
+                rows.append((name, t, times, layers))
+    print("\nForward-backward ms per iteration (`time`, TRAIN net with its data layer), %d rounds of %d iterations"
+          % (args.rounds, args.iterations))
+    print("  %-14s %7s %13s %13s %15s %15s %13s" % ("net", "threads", "Caffe median", "Caffe best",
+                                                   "caffempi median", "caffempi best", "Caffe / ours"))
+    for name, t, times, _ in rows:
+        c, o = statistics.median(times["caffe"]), statistics.median(times["caffempi"])
+        print("  %-14s %7d %13.2f %13.2f %15.2f %15.2f %13.2f" % (
+            name, t, c, min(times["caffe"]), o, min(times["caffempi"]), c / o))
+    for name, t, _, layers in rows:
+        print("\n%s, %d thread(s): per layer, median ms over the rounds" % (name, t))
+        print("  %-10s %13s %13s %15s %15s" % ("layer", "Caffe fwd", "Caffe bwd", "caffempi fwd", "caffempi bwd"))
+        for layer in layers["caffe"][0]:
+            cells = [statistics.median(run.get(layer, {}).get(d, float("nan")) for run in layers[tool])
+                     for tool in ("caffe", "caffempi") for d in ("forward", "backward")]
+            print("  %-10s %13.3f %13.3f %15.3f %15.3f" % ((layer,) + tuple(cells)))
+
+
+if __name__ == "__main__":
+    main()
