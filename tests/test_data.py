@@ -15,7 +15,8 @@ from google.protobuf import text_format
 import caffempi.layers.data  # noqa: F401  (registers the data layers)
 from caffempi import CaffeError, Net, TEST, TRAIN
 from caffempi.data import lmdb_io
-from caffempi.data.datum import array_to_datum, datum_to_array, encode_image, encoded_datum, parse_datum
+from caffempi.data.datum import (array_to_datum, datum_to_array, encode_image, encoded_datum, parse_datum,
+                                  raw_datum_batch)
 from caffempi.data.transformer import DataTransformer, mean_to_blob_proto
 from caffempi.io import proto_io
 from caffempi.proto import caffe_pb2
@@ -102,6 +103,24 @@ def test_datum_bytes_match_caffe_wire_format():
     assert d0.SerializeToString() == caffe_datum_bytes(1, 3, 4, img.tobytes(), 0)
     back = datum_to_array(parse_datum(d.SerializeToString()))
     np.testing.assert_array_equal(back, img)
+
+
+def test_raw_datum_batch_matches_record_by_record_decoding():
+    rs = np.random.RandomState(3)
+    imgs = rs.randint(0, 256, (5, 3, 4, 2)).astype(np.uint8)
+    values = [array_to_datum(im, i).SerializeToString() for i, im in enumerate(imgs)]
+    images, labels = raw_datum_batch(values)
+    np.testing.assert_array_equal(images, np.stack([datum_to_array(parse_datum(v)) for v in values]))
+    np.testing.assert_array_equal(labels, np.arange(5, dtype=np.float32))
+    # anything but raw uint8 Datums of one shape goes back to record-by-record
+    # decoding, which handles float_data and encoded images and names bad records
+    other = [array_to_datum(np.zeros((3, 4, 3), np.uint8)).SerializeToString(),
+             array_to_datum(np.zeros((3, 4, 2), np.float32)).SerializeToString(),
+             encoded_datum(encode_image(imgs[0], "png")).SerializeToString(),
+             b"\xff\xff\xff garbage"]
+    for bad in other:
+        assert raw_datum_batch(values[:2] + [bad]) is None
+    assert raw_datum_batch([]) is None
 
 
 def test_float_data_and_encoded_datums():

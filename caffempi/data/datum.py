@@ -51,6 +51,28 @@ def parse_datum(value, where=""):
     return d
 
 
+def raw_datum_batch(values):
+    """(N×C×H×W uint8 images, N float32 labels) of N serialized raw Datums
+    (uint8 ``data``, not encoded) of one shape, decoded in one pass: one
+    parse per record and a single copy of all pixels.  None when any record
+    is not such a Datum; the caller then decodes record by record, which
+    handles the other kinds and names a bad record."""
+    try:
+        datums = [caffe_pb2.Datum.FromString(v) for v in values]
+    except Exception:        # google.protobuf.message.DecodeError, or not bytes
+        return None
+    if not datums:
+        return None
+    first = datums[0]
+    shape = (first.channels, first.height, first.width)
+    size = shape[0] * shape[1] * shape[2]
+    if not size or any(d.encoded or len(d.data) != size or (d.channels, d.height, d.width) != shape
+                       for d in datums):
+        return None
+    images = np.frombuffer(b"".join([d.data for d in datums]), np.uint8).reshape((len(datums),) + shape)
+    return images, np.fromiter((d.label for d in datums), np.float32, len(datums))
+
+
 def pil_to_chw(img, color=None):
     """PIL image -> C×H×W uint8 in OpenCV's channel order.
 

@@ -73,6 +73,8 @@ class DataTransformer:
         self.mean = load_mean_file(param.mean_file) if param.mean_file else None
         self.mean_values = np.asarray(list(param.mean_value), np.float32) if len(param.mean_value) else None
         self._checked = {}     # input shape -> (output shape, per-channel means)
+        # random crop offsets and mirror flips are drawn per batch (draws)
+        self.needs_draws = self.mirror or (phase == TRAIN and self.crop_size > 0)
 
     # ------------------------------------------------------------ shapes
     def output_shape(self, in_shape):

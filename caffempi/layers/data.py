@@ -16,7 +16,7 @@ import numpy as np
 
 from ..common import CaffeError, rng, log
 from ..data import lmdb_io
-from ..data.datum import datum_to_array, parse_datum, pil_to_chw
+from ..data.datum import datum_to_array, parse_datum, pil_to_chw, raw_datum_batch
 from ..data.image_list import read_image_list
 from ..data.reader import BatchPrefetcher, lmdb_producer, shard_positions
 from ..data.transformer import DataTransformer
@@ -110,6 +110,8 @@ class _BatchDataLayer(Layer):
         """Data layers have no bottoms."""
 
     def _draws(self, k):
+        if not self.transformer.needs_draws:     # nothing random to draw (~0.1 ms a batch)
+            return None
         rank, size = self.data_shard
         return DataTransformer.draws(self._seed, k, self.batch_size * size, rank, size)
 
@@ -167,6 +169,9 @@ class DataLayer(_BatchDataLayer):
         return BatchPrefetcher("%s(%s)" % (self.name, self.source), produce, self._process, self.prefetch)
 
     def _process(self, k, recs):
+        batch = raw_datum_batch([value for _, value in recs])
+        if batch is not None:
+            return self.transformer.transform(batch[0], self._draws(k)), batch[1]
         imgs, labels = [], np.empty(len(recs), np.float32)
         for j, (key, value) in enumerate(recs):
             arr, labels[j] = self._decode(key, value)
