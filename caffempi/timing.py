@@ -179,7 +179,7 @@ def time_command(flags):
     # only the data layers of the timed phase's net need a source (as Caffe,
     # which builds that net alone: a TEST LMDB may be absent when timing TRAIN)
     param.state.phase, param.state.level = phase, level
-    param.state.stage[:] = stages
+    param.state.stage.extend(s for s in stages if s not in param.state.stage)    # as Net does
     param = substitute_data_layers(filter_net(param), _parse_shape(getattr(flags, "data_shape", None)))
     from .cli import select_backend
     xp = select_backend(flags)
