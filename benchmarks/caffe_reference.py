@@ -25,8 +25,6 @@ import sys
 import tempfile
 from pathlib import Path
 
-import numpy as np
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
@@ -41,23 +39,17 @@ LAYER = re.compile(r"\]\s+(\S+)\s+(forward|backward): ([0-9.]+) ms")   # the sam
 def make_data(root):
     """The LMDBs and mean file that the two train_test prototxts name,
     relative to ``root`` (both tools run with it as working directory)."""
-    from caffempi.data import lmdb_io
-    from caffempi.data.datum import array_to_datum
+    from caffempi.data.transformer import mean_to_blob_proto
     from caffempi.io import proto_io
-    rs = np.random.RandomState(0)
-
-    def lmdb(path, shape, count):
-        images = rs.randint(0, 256, (count,) + shape).astype(np.uint8)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with lmdb_io.LMDBWriter(str(path)) as w:
-            for i, im in enumerate(images):
-                w.put("%08d" % i, array_to_datum(im, int(rs.randint(10))).SerializeToString())
-        return images
-    lmdb(root / "examples/mnist/mnist_train_lmdb", (1, 28, 28), 640)
-    images = lmdb(root / "examples/cifar10/cifar10_train_lmdb", (3, 32, 32), 1000)
-    proto_io.write_binary_proto_atomic(
-        str(root / "examples/cifar10/mean.binaryproto"),
-        proto_io.array_to_blob_proto(images.mean(axis=0, dtype=np.float64).astype(np.float32)[None]))
+    from caffempi.testing.datasets import random_datum_lmdb
+    from caffempi.tools.compute_image_mean import compute_mean
+    for d in ("mnist", "cifar10"):
+        (root / "examples" / d).mkdir(parents=True, exist_ok=True)
+    random_datum_lmdb(root / "examples/mnist/mnist_train_lmdb", (1, 28, 28), 640)
+    cifar = root / "examples/cifar10/cifar10_train_lmdb"
+    random_datum_lmdb(cifar, (3, 32, 32), 1000, seed=1)
+    proto_io.write_binary_proto_atomic(str(root / "examples/cifar10/mean.binaryproto"),
+                                       mean_to_blob_proto(compute_mean(str(cifar))))
 
 
 def run_time(command, root, threads):

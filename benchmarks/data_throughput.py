@@ -20,18 +20,10 @@ from google.protobuf import text_format  # noqa: E402
 
 import caffempi.layers.data  # noqa: E402,F401
 from caffempi import Net, TRAIN  # noqa: E402
-from caffempi.data.datum import array_to_datum  # noqa: E402
-from caffempi.data.lmdb_io import LMDBWriter  # noqa: E402
 from caffempi.data.transformer import mean_to_blob_proto  # noqa: E402
 from caffempi.io import proto_io  # noqa: E402
 from caffempi.proto import caffe_pb2  # noqa: E402
-
-
-def make_db(path, n, shape, seed=0):
-    rs = np.random.RandomState(seed)
-    with LMDBWriter(path) as w:
-        for i in range(n):
-            w.put("%08d" % i, array_to_datum(rs.randint(0, 256, shape).astype(np.uint8), i % 10).SerializeToString())
+from caffempi.testing.datasets import random_datum_lmdb  # noqa: E402
 
 
 def bench(source, batch, iters, transform, warmup=20):
@@ -60,8 +52,8 @@ def main(argv=None):
         os.environ["CAFFEMPI_DATA_WORKERS"] = str(a.workers)
     with tempfile.TemporaryDirectory() as tmp:
         mnist, cifar = os.path.join(tmp, "mnist_lmdb"), os.path.join(tmp, "cifar_lmdb")
-        make_db(mnist, a.records, (1, 28, 28))
-        make_db(cifar, a.records, (3, 32, 32))
+        random_datum_lmdb(mnist, (1, 28, 28), a.records)
+        random_datum_lmdb(cifar, (3, 32, 32), a.records)
         mean = os.path.join(tmp, "mean.binaryproto")
         proto_io.write_binary_proto_atomic(mean, mean_to_blob_proto(np.full((3, 32, 32), 120, np.float32)))
         r1 = bench(mnist, a.batch, a.iters, "scale: 0.00390625")

@@ -17,11 +17,10 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from caffempi.common import captured_log  # noqa: E402
-from caffempi.data.datum import array_to_datum  # noqa: E402
-from caffempi.data.lmdb_io import LMDBWriter  # noqa: E402
 from caffempi.io import proto_io  # noqa: E402
 from caffempi.proto import caffe_pb2  # noqa: E402
 from caffempi.solvers import get_solver  # noqa: E402
+from caffempi.testing.datasets import random_datum_lmdb  # noqa: E402
 from caffempi.data.transformer import mean_to_blob_proto  # noqa: E402
 from caffempi.tools.compute_image_mean import compute_mean  # noqa: E402
 
@@ -31,19 +30,11 @@ NETS = {
 }
 
 
-def write_lmdb(path, shape, n, seed):
-    rs = np.random.RandomState(seed)
-    with LMDBWriter(path) as db:
-        for i in range(n):
-            img = rs.randint(0, 256, shape).astype(np.uint8)
-            db.put(b"%08d" % i, array_to_datum(img, rs.randint(10)).SerializeToString())
-
-
 def run(name, iters, display, workdir):
     model, shape = NETS[name]
     train_db, test_db = os.path.join(workdir, name + "_train"), os.path.join(workdir, name + "_test")
-    write_lmdb(train_db, shape, 2000, 1)
-    write_lmdb(test_db, shape, 200, 2)
+    random_datum_lmdb(train_db, shape, 2000, seed=1)
+    random_datum_lmdb(test_db, shape, 200, seed=2)
     net = proto_io.read_net_param(str(REPO / model))
     for lp in net.layer:
         if lp.type == "Data":
