@@ -58,12 +58,12 @@ def raw_datum_batch(values):
     is not such a Datum; the caller then decodes record by record, which
     handles the other kinds and names a bad record."""
     try:
-        datums = [caffe_pb2.Datum.FromString(v) for v in values]
+        first = caffe_pb2.Datum.FromString(values[0]) if values else None
+        if first is None or first.encoded or not first.data:
+            return None        # (encoded or float data sets: one parse spent, not a batch's)
+        datums = [first] + [caffe_pb2.Datum.FromString(v) for v in values[1:]]
     except Exception:        # google.protobuf.message.DecodeError, or not bytes
         return None
-    if not datums:
-        return None
-    first = datums[0]
     shape = (first.channels, first.height, first.width)
     size = shape[0] * shape[1] * shape[2]
     if not size or any(d.encoded or len(d.data) != size or (d.channels, d.height, d.width) != shape
