@@ -22,7 +22,9 @@ setup(
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "scipy>=1.11"],
         "mpich": ["mpich>=4.2"],
+        # CuPy's wheels are per CUDA major version
         "gpu": ["cupy-cuda12x>=13"],
+        "gpu-cuda13": ["cupy-cuda13x>=14"],
         "proto": ["grpcio-tools>=1.60"],
     },
     entry_points={"console_scripts": ["caffempi = caffempi.cli:main"]},
