@@ -5,6 +5,10 @@ For each net, at the same per-rank batch and 1 BLAS thread per process:
 
   independent   two single-process trainers started at the same time
   mpi/<comm>    `mpiexec -n 2`, one model, gradients averaged (--comm)
+  mpi/barrier   `mpiexec -n 2`, the ranks wait for each other after backward
+                as a synchronous job must, but exchange nothing: the
+                efficiency of free communication, the most that synchronous
+                data parallelism can reach on this machine at this moment
 
 Prints aggregate images/s (each process's timed images over the time they
 took, summed over processes), efficiency (the 2-rank job's aggregate over
@@ -19,8 +23,9 @@ to finish its backward, from the ranks' common monotonic clock) and comm
 (what is left: communication not hidden behind the slowest rank's backward).
 --json writes everything (tools/scaling_model.py reads it).
 
-    .venv/bin/python benchmarks/scaling.py                  # both nets, overlap+blocking
+    .venv/bin/python benchmarks/scaling.py                  # both nets, overlap+blocking+barrier
     .venv/bin/python benchmarks/scaling.py --nets lenet --comm overlap,thread,async,nopoll,blocking
+    .venv/bin/python benchmarks/scaling.py --interleave --iters 200   # each mode's cost over barrier
 """
 import argparse
 import json
@@ -48,6 +53,30 @@ def load_net_param(name):
 
 
 # ------------------------------------------------------------------ worker
+class Lockstep:
+    """--comm barrier in place of the reducer: keeps the ranks in step as
+    gradient averaging does (every rank waits for the slowest after
+    backward) with nothing to send, so what it loses against the
+    independent pair is the machine's (jitter, unequal cores, the ranks
+    contending for memory in the same layers), not communication."""
+    buckets = []
+
+    def __init__(self, world):
+        self.world = world
+
+    def attach(self, net):
+        pass
+
+    def start_iteration(self, net):
+        pass
+
+    def finish(self, net):
+        self.world.barrier()
+
+    def close(self):
+        pass
+
+
 def worker(args):
     """One trainer process (under mpiexec or alone); writes JSON to args.out."""
     import numpy as np
@@ -57,12 +86,15 @@ def worker(args):
     from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
     from caffempi.parallel.reducer import Reducer
 
-    world = get_world(args.comm)
+    world = get_world("blocking" if args.comm == "barrier" else args.comm)
     install_abort_handlers(world)
     net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
     batch = net.blobs["data"].shape[0]
     broadcast_weights(net, world)
-    red = Reducer(world, comm=args.comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+    if args.comm == "barrier":
+        red = Lockstep(world)
+    else:
+        red = Reducer(world, comm=args.comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
     red.attach(net)
     # per-layer backward times (for the scaling model): hooks fire after each
     # layer's backward, in descending layer order
@@ -172,6 +204,71 @@ def worker(args):
             json.dump(res_all, f)
 
 
+def interleaved_worker(args):
+    """--interleave: one 2-rank job takes the comm modes in turn, a step
+    each, every step starting at a barrier; writes per mode the steps' times
+    (the slowest rank's) to args.out.  Step to step the load is the same for
+    every mode, so the differences are what each mode's communication costs
+    beyond free communication (barrier), to a tenth of a millisecond."""
+    import numpy as np
+    from caffempi.common import TRAIN
+    from caffempi.net import Net
+    from caffempi.parallel.comm import get_world
+    from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
+    from caffempi.parallel.reducer import Reducer
+
+    modes = args.comm.split(",")
+    world = get_world("overlap")
+    install_abort_handlers(world)
+    net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
+    broadcast_weights(net, world)
+    reducers = [Lockstep(world) if m == "barrier" else
+                Reducer(world, comm=m, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+                for m in modes]
+    times = {m: [] for m in modes}
+    for i in range((args.iters + args.warmup) * len(modes)):
+        mode, red = modes[i % len(modes)], reducers[i % len(modes)]
+        red.attach(net)
+        net.clear_param_diffs()
+        red.start_iteration(net)
+        world.barrier()
+        t = time.perf_counter()
+        net.forward_range()
+        net.backward_range()
+        red.finish(net)
+        net.param_data -= np.float32(0.001) * net.param_diff
+        if i >= args.warmup * len(modes):
+            times[mode].append(time.perf_counter() - t)
+        if isinstance(red, Reducer):
+            red.detach()
+    for red in reducers:
+        red.close()
+    slowest = {m: np.max(world.allgather(times[m]), axis=0).tolist() for m in modes}
+    if world.rank == 0:
+        with open(args.out, "w") as f:
+            json.dump({"net": args.net, "steps_s": slowest}, f)
+
+
+def run_interleaved(a, net, n):
+    import numpy as np
+    out = tempfile.mktemp(suffix=".json")
+    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + _worker_args(a, net, a.comm, out) + ["--interleave"],
+                         env=_env())
+    if p.wait(timeout=a.timeout) != 0:
+        raise SystemExit("a benchmark run failed")
+    with open(out) as f:
+        res = json.load(f)
+    os.unlink(out)
+    ms = {m: 1e3 * np.array(t) for m, t in res["steps_s"].items()}
+    ref = ms.get("barrier")
+    for m, t in ms.items():
+        print("%-14s %-12s %8.2f %8.2f%s" % (
+            net, "mpi/" + m, t.mean(), np.median(t),
+            "" if ref is None or m == "barrier" else "  %+6.2f ms (%+.1f%%) over barrier" % (
+                t.mean() - ref.mean(), 100 * (t.mean() - ref.mean()) / ref.mean())))
+    return res
+
+
 # ------------------------------------------------------------------ driver
 def _env():
     e = dict(os.environ)
@@ -263,7 +360,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--net", default="lenet")
     ap.add_argument("--nets", default="lenet,cifar10_quick")
-    ap.add_argument("--comm", default="overlap,blocking")
+    ap.add_argument("--comm", default="overlap,blocking,barrier")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
@@ -281,15 +378,29 @@ def main():
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--parity", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--interleave", action="store_true",
+                    help="instead: one --ranks job per net that takes the --comm modes (of overlap, "
+                         "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "
+                         "mode's step and its cost over barrier")
     a = ap.parse_args()
     from caffempi.parallel.reducer import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
     a.bucket_mb = DEFAULT_BUCKET_MB if a.bucket_mb is None else a.bucket_mb
     a.first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if a.first_bucket_mb is None else a.first_bucket_mb
     if a.worker:
-        return worker(a)
+        return interleaved_worker(a) if a.interleave else worker(a)
     n = a.ranks
     comms = a.comm.split(",")
     allres = {}
+    if a.interleave:
+        print("ranks=%d, 1 BLAS thread per process, %d steps per mode, interleaved, each from a barrier"
+              % (n, a.iters))
+        print("%-14s %-12s %8s %8s" % ("net", "run", "step", "(median)"))
+        for net in a.nets.split(","):
+            allres[net] = run_interleaved(a, net, n)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(allres, f, indent=1)
+        return
     print("ranks=%d, 1 BLAS thread per process, %d timed iterations (+%d warm-up), bucket %.2g MB "
           "(first %.2g MB)" % (n, a.iters, a.warmup, a.bucket_mb, a.first_bucket_mb))
     hdr = "%-14s %-12s %9s %6s %8s %8s %8s %9s %8s %8s %8s" % (

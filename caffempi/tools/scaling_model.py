@@ -250,8 +250,10 @@ def main(argv=None):
             for mode in [m for m in runs if m != "independent"]:
                 meas = runs[mode]["raw"]
                 bmb = 4.0
-                pm = "blocking" if mode == "blocking" else "overlap"
-                step, exp = predict(profile, 2, shm[0], shm[1], pm, bmb)
+                pm = "blocking" if mode in ("blocking", "barrier") else "overlap"
+                # scaling.py's barrier run sends nothing: free communication
+                alpha, beta = (0.0, 0.0) if mode == "barrier" else shm
+                step, exp = predict(profile, 2, alpha, beta, pm, bmb)
                 m_step = float(np.mean([r["step_ms"] for r in meas]))
                 # the same with this run's own compute time: checks the
                 # communication part of the model apart from the machine's
