@@ -132,13 +132,28 @@ def per_rank_seed(seed, world=None):
     return (int(seed) + 7919 * world.rank) % (2 ** 32)
 
 
-def blas_threads_hint(world=None):
-    """Warn when several ranks share a host and BLAS may use every core each."""
+def share_cores(world=None):
+    """With several ranks on a host and no thread count given
+    (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS), each rank would run a thread
+    per core and the ranks' threads would fight over the cores: give each
+    rank its share instead, the cores it may run on divided by the ranks on
+    the host (or all of them where the launcher bound the rank to fewer
+    than the host's cores).  Returns the thread count set, or None."""
     world = world or get_world()
-    if world.size > 1 and "OPENBLAS_NUM_THREADS" not in os.environ and "OMP_NUM_THREADS" not in os.environ:
-        if world.rank == 0:
-            log.warning("OPENBLAS_NUM_THREADS is not set: with several ranks per host set it to "
-                        "cores/ranks_per_host (mpiexec -genv OPENBLAS_NUM_THREADS 1 ...)")
+    if world.size == 1:
+        return None
+    _, on_host = world.local_rank()      # collective: before any rank may return
+    if "OPENBLAS_NUM_THREADS" in os.environ or "OMP_NUM_THREADS" in os.environ:
+        return None
+    from ..backend import threads
+    allowed = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    bound = allowed < (os.cpu_count() or allowed)
+    count = allowed if bound else max(1, allowed // on_host)
+    threads.set_thread_count(count)
+    if world.rank == 0:
+        log.info("%d ranks on this host: %d kernel thread%s each (OPENBLAS_NUM_THREADS sets it)",
+                 on_host, count, "" if count == 1 else "s")
+    return count
 
 
 class StopFlag:
@@ -193,7 +208,7 @@ def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, d
     if world.size > 1 and world.rank == 0:
         log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
                  world.processor_name())
-    blas_threads_hint(world)
+    share_cores(world)
     if sync == "easgd":
         from .easgd import EASGDReducer
         reducer = EASGDReducer(world, tau, alpha)

@@ -97,6 +97,26 @@ def test_thread_level_follows_the_comm_mode():
 
 
 @needs_mpi
+def test_ranks_on_a_host_share_its_cores():
+    """Without OPENBLAS_NUM_THREADS/OMP_NUM_THREADS, each of the 2 ranks on
+    this host runs cores/2 kernel threads (at least 1), not one per core; a
+    count given in the environment is kept (needs 2 cores to tell apart)."""
+    import os
+    code = ("import sys, os; from caffempi.parallel.launch import setup_parallel; "
+            "from caffempi.backend import threads; setup_parallel(); "
+            "assert threads.thread_count() == int(sys.argv[1]), (threads.thread_count(), sys.argv[1])")
+    cores = len(os.sched_getaffinity(0))
+    e = env()
+    del e["OPENBLAS_NUM_THREADS"], e["OMP_NUM_THREADS"]
+    from .mpirun import mpiexec_path
+    share = max(1, cores // 2)
+    given = 2 if share == 1 else 1        # BLAS caps counts at the cores
+    for want, extra in ((share, {}), (given, {"OMP_NUM_THREADS": str(given)})):
+        subprocess.run([mpiexec_path(), "-n", "2", sys.executable, "-c", code, str(want)], check=True,
+                       env=dict(e, **extra), cwd=REPO, timeout=60, capture_output=True)
+
+
+@needs_mpi
 def test_overlap_polls_between_kernel_chunks():
     p = mpirun(2, [WORKERS / "progress_worker.py"])
     assert "polls inside conv backward" in p.stdout
