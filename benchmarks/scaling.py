@@ -23,7 +23,7 @@ to finish its backward, from the ranks' common monotonic clock) and comm
 (what is left: communication not hidden behind the slowest rank's backward).
 --json writes everything (tools/scaling_model.py reads it).
 
-    .venv/bin/python benchmarks/scaling.py                  # both nets, overlap+blocking+barrier
+    .venv/bin/python benchmarks/scaling.py                  # both nets, shm+overlap+blocking+barrier
     .venv/bin/python benchmarks/scaling.py --nets lenet --comm overlap,thread,async,nopoll,blocking
     .venv/bin/python benchmarks/scaling.py --interleave --iters 200   # each mode's cost over barrier
 """
@@ -360,7 +360,7 @@ def main():
     ap.add_argument("--out")
     ap.add_argument("--net", default="lenet")
     ap.add_argument("--nets", default="lenet,cifar10_quick")
-    ap.add_argument("--comm", default="overlap,blocking,barrier")
+    ap.add_argument("--comm", default="shm,overlap,blocking,barrier")
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
@@ -379,7 +379,7 @@ def main():
     ap.add_argument("--parity", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write all results here")
     ap.add_argument("--interleave", action="store_true",
-                    help="instead: one --ranks job per net that takes the --comm modes (of overlap, "
+                    help="instead: one --ranks job per net that takes the --comm modes (of shm, overlap, "
                          "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "
                          "mode's step and its cost over barrier")
     a = ap.parse_args()

@@ -181,9 +181,10 @@ class StopFlag:
 def add_parallel_flags(define_flag):
     """The data-parallel flags, defined through the CLI's define_flag."""
     from .reducer import DEFAULT_BUCKET_MB
-    define_flag("comm", "auto", "Optional; gradient averaging: auto (nccl for GPU nets when NCCL can "
-                "join the ranks, else overlap), overlap (MPI Iallreduce per bucket during backward, "
-                "polled between layers), thread (a communication thread), async (MPICH progress "
+    define_flag("comm", "auto", "Optional; gradient averaging: auto (CPU nets: shm when every rank is "
+                "on one host, else overlap; GPU nets: nccl when NCCL can join the ranks, else overlap), "
+                "shm (ranks of one host sum in shared memory, whichever waits doing the sums), "
+                "overlap (MPI Iallreduce per bucket during backward, polled between layers), thread (a communication thread), async (MPICH progress "
                 "thread), nopoll, blocking (one allreduce after backward), or nccl (GPU: NCCL per "
                 "bucket on a side stream).")
     define_flag("bucket_mb", DEFAULT_BUCKET_MB, "Optional; allreduce bucket size in MB (whole layers, "

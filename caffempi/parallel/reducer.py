@@ -23,8 +23,11 @@ MPI-through-pinned-host-copies.  The transport is chosen when the reducer
 meets the net, from ``--comm`` and the net's array module.
 
 Modes (``--comm``):
-  auto      the default: nccl for GPU nets when NCCL can join the ranks,
-            otherwise overlap
+  auto      the default: for CPU nets shm when every rank is on one host,
+            otherwise overlap; for GPU nets nccl when NCCL can join the
+            ranks, otherwise overlap
+  shm       ranks on one host: each bucket summed in shared memory by
+            whichever rank is waiting (shm_transport.py), no MPI call
   blocking  one Allreduce of the whole gradient after backward (baseline)
   overlap   Iallreduce per bucket, MPI_Testall between layers and between
             the chunks of a CPU kernel (threads.set_progress)
@@ -45,7 +48,7 @@ import numpy as np
 from ..backend import threads, to_numpy
 from ..common import CaffeError, log
 
-COMM_MODES = ("auto", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
+COMM_MODES = ("auto", "shm", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
 _yield_core = getattr(os, "sched_yield", lambda: time.sleep(0))
 # Measured on this 2-core machine (benchmarks/scaling.py; README, "Scaling"):
 # LeNet's 1.7 MB of gradients in one or two buckets is best; 4 MB behaves the
@@ -176,9 +179,10 @@ class MPIHostTransport:
             self.comm = None
 
 
-def make_transport(world, mode="overlap", xp=np):
-    """The transport for ``--comm=mode`` and buffers of array module ``xp``
-    (collective: every rank must call it)."""
+def make_transport(world, mode="overlap", xp=np, nbytes=0):
+    """The transport for ``--comm=mode`` and buffers of array module ``xp``,
+    at most ``nbytes`` of them summed per iteration (collective: every rank
+    must call it)."""
     if mode not in COMM_MODES:
         raise CaffeError("unknown --comm '%s' (one of %s)" % (mode, ", ".join(COMM_MODES)))
     if world.size == 1:
@@ -186,7 +190,15 @@ def make_transport(world, mode="overlap", xp=np):
     if xp is np:
         if mode == "nccl":
             raise CaffeError("--comm=nccl needs GPU nets (--gpu)")
-        return MPIHostTransport(world, "overlap" if mode == "auto" else mode)
+        if mode in ("auto", "shm"):
+            from . import shm_transport
+            transport = shm_transport.make(world, nbytes, mode == "shm")
+            if transport is not None:
+                return transport
+            mode = "overlap"
+        return MPIHostTransport(world, mode)
+    if mode == "shm":
+        raise CaffeError("--comm=shm needs CPU nets (GPU nets: nccl, or overlap through pinned host copies)")
     from . import gpu_transport
     if mode in ("auto", "nccl"):
         reason = gpu_transport.nccl_unavailable_reason(world)
@@ -311,7 +323,7 @@ class Reducer:
             return
         net.gradient_scale = 1.0 / self.size     # the sums are then means
         if self.transport is None:
-            self.transport = make_transport(self.world, self.comm, net.xp)
+            self.transport = make_transport(self.world, self.comm, net.xp, net.param_diff.nbytes)
         if not isinstance(net.param_diff, np.ndarray) and not self.transport.device_buffers:
             raise CaffeError("the %s transport needs host (NumPy) gradient buffers" % self.transport.name)
         if self.comm != "blocking":

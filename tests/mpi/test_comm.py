@@ -117,6 +117,11 @@ def test_ranks_on_a_host_share_its_cores():
 
 
 @needs_mpi
+def test_shm_sums_are_exact_in_any_arrival_order():
+    mpirun(3, [WORKERS / "shm_worker.py"])
+
+
+@needs_mpi
 def test_overlap_polls_between_kernel_chunks():
     p = mpirun(2, [WORKERS / "progress_worker.py"])
     assert "polls inside conv backward" in p.stdout

@@ -27,6 +27,8 @@ def _compare(ref, got):
     (2, "blocking", 1, 4),
     (2, "thread", 2, 0.001),      # iter_size on top
     (3, "overlap", 1, 4),
+    (2, "shm", 1, 0.001),
+    (3, "shm", 2, 4),
 ])
 def test_ranks_match_single_process(tmp_path, reference, n, comm, iter_size, bucket_mb):
     out = tmp_path / "r.npz"
