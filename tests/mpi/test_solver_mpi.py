@@ -101,10 +101,13 @@ def test_missing_snapshot_on_rank0_stops_every_rank_with_one_error(data_dir):
 
 
 @needs_mpi
-@pytest.mark.parametrize("kind", ["raise", "kill", "snapshot"])
-def test_failure_on_one_rank_ends_the_job(data_dir, kind):
-    args = [W, data_dir, 12, 50, "prefix=f%s" % kind, "fail_rank=%d" % (0 if kind == "snapshot" else 1),
-            "fail_iter=2", "fail_kind=%s" % kind]
+@pytest.mark.parametrize("kind,comm", [("raise", "overlap"), ("kill", "overlap"), ("snapshot", "overlap"),
+                                       ("raise", "shm"), ("kill", "shm")])
+def test_failure_on_one_rank_ends_the_job(data_dir, kind, comm):
+    """The others may be waiting inside MPI (overlap) or spinning on shared
+    memory flags (shm): the job ends either way."""
+    args = [W, data_dir, 12, 50, "prefix=f%s%s" % (kind, comm), "fail_rank=%d" % (0 if kind == "snapshot" else 1),
+            "fail_iter=2", "fail_kind=%s" % kind, "comm=%s" % comm]
     if kind == "snapshot":
         args.append("snapshot=2")
     t = time.time()
