@@ -184,9 +184,9 @@ def add_parallel_flags(define_flag):
     define_flag("comm", "auto", "Optional; gradient averaging: auto (CPU nets: shm when every rank is "
                 "on one host, else overlap; GPU nets: nccl when NCCL can join the ranks, else overlap), "
                 "shm (ranks of one host sum in shared memory, whichever waits doing the sums), "
-                "overlap (MPI Iallreduce per bucket during backward, polled between layers), thread (a communication thread), async (MPICH progress "
-                "thread), nopoll, blocking (one allreduce after backward), or nccl (GPU: NCCL per "
-                "bucket on a side stream).")
+                "overlap (MPI Iallreduce per bucket during backward, polled between layers), thread "
+                "(a communication thread), async (MPICH progress thread), nopoll, blocking (one "
+                "allreduce after backward), or nccl (GPU: NCCL per bucket on a side stream).")
     define_flag("bucket_mb", DEFAULT_BUCKET_MB, "Optional; allreduce bucket size in MB (whole layers, "
                 "reverse layer order; the first bucket is at most 1 MB).")
     define_flag("sync", "sgd", "Optional; sgd (average gradients every iteration) or easgd "

@@ -17,9 +17,10 @@ The network is reached only through a *transport* (the GPU seam):
     transport.poll()                           # give the MPI a chance to progress
     transport.wait(handle)
 
-``MPIHostTransport`` is the implementation for host (NumPy) buffers; for
-device (CuPy) buffers, :mod:`caffempi.parallel.gpu_transport` has NCCL and
-MPI-through-pinned-host-copies.  The transport is chosen when the reducer
+For host (NumPy) buffers, :mod:`caffempi.parallel.shm_transport` sums in
+shared memory when every rank is on one host, and ``MPIHostTransport``
+through MPI; for device (CuPy) buffers, :mod:`caffempi.parallel.gpu_transport`
+has NCCL and MPI-through-pinned-host-copies.  The transport is chosen when the reducer
 meets the net, from ``--comm`` and the net's array module.
 
 Modes (``--comm``):
