@@ -28,7 +28,7 @@ Modes (``--comm``):
             otherwise overlap; for GPU nets nccl when NCCL can join the
             ranks, otherwise overlap
   shm       ranks on one host: each bucket summed in shared memory by
-            whichever rank is waiting (shm_transport.py), no MPI call
+            whichever rank is waiting (shm_transport.py), no MPI messages
   blocking  one Allreduce of the whole gradient after backward (baseline)
   overlap   Iallreduce per bucket, MPI_Testall between layers and between
             the chunks of a CPU kernel (threads.set_progress)

@@ -20,7 +20,7 @@ spare while it waits for the others.  Here that rank does the sums:
   all of the bucket's chunks are done, it copies the result out.
 
 A rank still computing its backward pays only the copies in and out, and
-no MPI call is made in a step.  A round is one iteration's buckets; a
+no MPI message is sent in a step.  A round is one iteration's buckets; a
 segment and the result area are written again only once every rank has
 flagged that it copied the last round out (a flag each, checked when the
 next round starts, by when it is long set).
@@ -105,6 +105,8 @@ class SharedMemoryTransport:
 
     # -- the interface
     def allreduce_start(self, buf):
+        if not buf.flags.c_contiguous:
+            raise CaffeError("--comm=shm sums contiguous buffers only")
         if not self._buckets:
             self._start_round()
         if len(self._buckets) >= MAX_BUCKETS:
