@@ -77,24 +77,35 @@ class Lockstep:
         pass
 
 
-def worker(args):
-    """One trainer process (under mpiexec or alone); writes JSON to args.out."""
-    import numpy as np
+def _world_and_net(args, comm):
+    """This rank's world (MPI initialised for ``comm``) and the net, with
+    rank 0's weights."""
     from caffempi.common import TRAIN
     from caffempi.net import Net
     from caffempi.parallel.comm import get_world
     from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
-    from caffempi.parallel.reducer import Reducer
 
-    world = get_world("blocking" if args.comm == "barrier" else args.comm)
+    world = get_world(comm)
     install_abort_handlers(world)
     net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
-    batch = net.blobs["data"].shape[0]
     broadcast_weights(net, world)
-    if args.comm == "barrier":
-        red = Lockstep(world)
-    else:
-        red = Reducer(world, comm=args.comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+    return world, net
+
+
+def _averager(world, comm, args):
+    from caffempi.parallel.reducer import Reducer
+    if comm == "barrier":
+        return Lockstep(world)
+    return Reducer(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+
+
+def worker(args):
+    """One trainer process (under mpiexec or alone); writes JSON to args.out."""
+    import numpy as np
+
+    world, net = _world_and_net(args, "blocking" if args.comm == "barrier" else args.comm)
+    batch = net.blobs["data"].shape[0]
+    red = _averager(world, args.comm, args)
     red.attach(net)
     # per-layer backward times (for the scaling model): hooks fire after each
     # layer's backward, in descending layer order
@@ -211,20 +222,10 @@ def interleaved_worker(args):
     every mode, so the differences are what each mode's communication costs
     beyond free communication (barrier), to a tenth of a millisecond."""
     import numpy as np
-    from caffempi.common import TRAIN
-    from caffempi.net import Net
-    from caffempi.parallel.comm import get_world
-    from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
-    from caffempi.parallel.reducer import Reducer
 
     modes = args.comm.split(",")
-    world = get_world("overlap")
-    install_abort_handlers(world)
-    net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
-    broadcast_weights(net, world)
-    reducers = [Lockstep(world) if m == "barrier" else
-                Reducer(world, comm=m, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
-                for m in modes]
+    world, net = _world_and_net(args, "overlap")
+    reducers = [_averager(world, m, args) for m in modes]
     times = {m: [] for m in modes}
     for i in range((args.iters + args.warmup) * len(modes)):
         mode, red = modes[i % len(modes)], reducers[i % len(modes)]
@@ -239,26 +240,19 @@ def interleaved_worker(args):
         net.param_data -= np.float32(0.001) * net.param_diff
         if i >= args.warmup * len(modes):
             times[mode].append(time.perf_counter() - t)
-        if isinstance(red, Reducer):
+        if not isinstance(red, Lockstep):
             red.detach()
     for red in reducers:
         red.close()
     slowest = {m: np.max(world.allgather(times[m]), axis=0).tolist() for m in modes}
     if world.rank == 0:
         with open(args.out, "w") as f:
-            json.dump({"net": args.net, "steps_s": slowest}, f)
+            json.dump([{"net": args.net, "steps_s": slowest}], f)
 
 
 def run_interleaved(a, net, n):
     import numpy as np
-    out = tempfile.mktemp(suffix=".json")
-    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + _worker_args(a, net, a.comm, out) + ["--interleave"],
-                         env=_env())
-    if p.wait(timeout=a.timeout) != 0:
-        raise SystemExit("a benchmark run failed")
-    with open(out) as f:
-        res = json.load(f)
-    os.unlink(out)
+    res = _collect(*_start_mpi(a, net, a.comm, n, extra=["--interleave"]), a)[0]
     ms = {m: 1e3 * np.array(t) for m, t in res["steps_s"].items()}
     ref = ms.get("barrier")
     for m, t in ms.items():
@@ -302,9 +296,10 @@ def _start_independent(a, net, n, slot=None):
     return procs, outs
 
 
-def _start_mpi(a, net, comm, n, slot=None):
+def _start_mpi(a, net, comm, n, slot=None, extra=()):
     out = tempfile.mktemp(suffix=".json")
-    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + _worker_args(a, net, comm, out, slot), env=_env())
+    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + _worker_args(a, net, comm, out, slot) + list(extra),
+                         env=_env())
     return [p], [out]
 
 
