@@ -101,6 +101,7 @@ class SharedMemoryTransport:
         self.round = 1
         self._buckets = []         # this round's, in start order
         self._used = self._chunks_used = 0
+        self._copied = 0           # of this round's buckets, copied out here
         self._closing = False
 
     # -- the interface
@@ -138,14 +139,15 @@ class SharedMemoryTransport:
             self.win.Sync()
             b.buf.reshape(-1)[...] = self._view(self.result, b)
             b.copied = True
-        if self._closing and all(x.copied for x in self._buckets):
+            self._copied += 1
+        if self._closing and self._copied == len(self._buckets):
             # the iteration's buckets are all out on this rank
             self._closing = False
             self.win.Sync()
             self.copied_round[self.rank][0] = self.round
             self.round += 1
             self._buckets = []
-            self._used = self._chunks_used = 0
+            self._used = self._chunks_used = self._copied = 0
 
     def allreduce(self, buf):
         b = self.allreduce_start(buf)
