@@ -24,6 +24,10 @@ _SIZE_VARS = ("PMI_SIZE", "OMPI_COMM_WORLD_SIZE", "PMIX_SIZE", "MV2_COMM_WORLD_S
               "MPI_LOCALNRANKS")
 _RANK_VARS = ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "MV2_COMM_WORLD_RANK")
 
+# MPICH (the ch4 device's POSIX shared memory) keeps its intra-host
+# segment in a file of this name until MPI_Finalize
+_MPICH_SHM_FILE = "/dev/shm/mpich_shm_"
+
 _world = None
 
 
@@ -161,13 +165,48 @@ class MPIWorld(SingleWorld):
         """(rank, size) in the shared-memory split of COMM_WORLD: the ranks
         on this host, as MPI sees them (one GPU per local rank)."""
         if not hasattr(self, "_local"):
-            node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
-            self._local = (node.Get_rank(), node.Get_size())
-            node.Free()
+            self.join_host()
         return self._local
+
+    def join_host(self):
+        """Meet the other ranks of this host (collective): learns the local
+        rank, and unlinks MPICH's shared-memory file once every rank here has
+        mapped it.  MPICH unlinks it only in MPI_Finalize, so a job that was
+        killed (a scheduler's SIGKILL, a crashed rank, MPI_Abort after a
+        rank's error) left it in /dev/shm: memory taken until the host
+        reboots, 2 MB a job for 2 ranks and more with more ranks per host.
+        The ranks keep their mappings, and MPI_Finalize does not mind that
+        the name is gone."""
+        node = self.comm.Split_type(self.MPI.COMM_TYPE_SHARED)
+        try:
+            self._local = (node.Get_rank(), node.Get_size())
+            node.Barrier()          # every rank here is past MPI_Init: all have mapped it
+            if node.Get_rank() == 0:
+                for path in mapped_files(_MPICH_SHM_FILE):
+                    try:
+                        os.unlink(path)
+                    except OSError:
+                        pass
+        finally:
+            node.Free()
 
     def library_version(self):
         return self.MPI.Get_library_version().strip().splitlines()[0]
+
+
+def mapped_files(prefix, maps="/proc/self/maps"):
+    """Paths starting with ``prefix`` of the files that this process maps
+    and that still have their name (none where /proc is not Linux's)."""
+    paths = set()
+    try:
+        with open(maps) as f:
+            for line in f:
+                fields = line.rstrip("\n").split(None, 5)
+                if len(fields) == 6 and fields[5].startswith(prefix) and not fields[5].endswith(" (deleted)"):
+                    paths.add(fields[5])
+    except OSError:
+        pass
+    return sorted(paths)
 
 
 @contextlib.contextmanager
@@ -224,6 +263,7 @@ def get_world(comm=None):
                          "that mpi4py loads (%s) differ; use that MPI's mpiexec, or point mpi4py at "
                          "the launcher's library (MPI4PY_LIBMPI=/path/to/libmpi.so)"
                          % (n, world.size, world.library_version()))
+    world.join_host()
     _world = world
     return _world
 

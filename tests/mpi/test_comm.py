@@ -1,10 +1,12 @@
 """Single-process pieces: lazy MPI import, bucketing, the trivial world."""
+import os
 import subprocess
 import sys
 
 import numpy as np
+import pytest
 
-from caffempi.parallel.comm import SingleWorld, launched_by_mpi
+from caffempi.parallel.comm import SingleWorld, launched_by_mpi, mapped_files
 from caffempi.parallel.reducer import Reducer, make_buckets
 
 from .mpirun import REPO, WORKERS, env, mpirun, needs_mpi
@@ -125,3 +127,27 @@ def test_shm_sums_are_exact_in_any_arrival_order():
 def test_overlap_polls_between_kernel_chunks():
     p = mpirun(2, [WORKERS / "progress_worker.py"])
     assert "polls inside conv backward" in p.stdout
+
+
+@needs_mpi
+def test_a_killed_job_leaves_no_shared_memory_file_behind():
+    # MPICH removes its /dev/shm segment only in MPI_Finalize; the world
+    # unlinks it once every rank has mapped it
+    p = mpirun(2, [WORKERS / "killed_worker.py"], check=False, timeout=60)
+    assert p.returncode != 0, p.stdout + p.stderr
+    paths = [line.split(None, 1)[1] for line in p.stdout.splitlines() if line.startswith("SHM ")]
+    if not paths:
+        pytest.skip("this MPI keeps no /dev/shm/mpich_shm_* file")
+    assert [q for q in paths if os.path.exists(q)] == []
+
+
+def test_mapped_files_lists_named_files_with_the_prefix(tmp_path):
+    maps = tmp_path / "maps"
+    maps.write_text(
+        "7f0000000000-7f0000200000 rw-s 00000000 00:1a 123 /dev/shm/mpich_shm_ab12_0\n"
+        "7f0000200000-7f0000300000 rw-s 00000000 00:1a 124 /dev/shm/mpich_shm_cd34_0 (deleted)\n"
+        "7f0000300000-7f0000400000 rw-s 00000000 00:1a 125 /dev/shm/other_segment\n"
+        "7f0000400000-7f0000500000 rw-p 00000000 00:00 0 \n"
+        "7f0000500000-7f0000600000 r-xp 00000000 08:01 99 /usr/lib/libc.so.6\n")
+    assert mapped_files("/dev/shm/mpich_shm_", str(maps)) == ["/dev/shm/mpich_shm_ab12_0"]
+    assert mapped_files("/dev/shm/mpich_shm_", str(tmp_path / "absent")) == []
