@@ -24,6 +24,7 @@ to finish its backward, from the ranks' common monotonic clock) and comm
 --json writes everything (tools/scaling_model.py reads it).
 
     .venv/bin/python benchmarks/scaling.py                  # both nets, shm+overlap+blocking+barrier
+    .venv/bin/python benchmarks/scaling.py --repeat 4       # and each mode's median over 4 rounds
     .venv/bin/python benchmarks/scaling.py --nets lenet --comm overlap,thread,async,nopoll,blocking
     .venv/bin/python benchmarks/scaling.py --interleave --iters 200   # each mode's cost over barrier
 """
@@ -359,7 +360,8 @@ def main():
     ap.add_argument("--ranks", type=int, default=2)
     ap.add_argument("--iters", type=int, default=40)
     ap.add_argument("--warmup", type=int, default=5)
-    ap.add_argument("--repeat", type=int, default=1, help="alternate the runs this many times, keep the best")
+    ap.add_argument("--repeat", type=int, default=1, help="alternate the runs this many times, keep the best "
+                    "(and print each mode's median efficiency over the rounds)")
     ap.add_argument("--bucket_mb", type=float, default=None)
     ap.add_argument("--first_bucket_mb", type=float, default=None)
     ap.add_argument("--timeout", type=int, default=600)
@@ -378,6 +380,7 @@ def main():
                          "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "
                          "mode's step and its cost over barrier")
     a = ap.parse_args()
+    import numpy as np
     from caffempi.parallel.reducer import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
     a.bucket_mb = DEFAULT_BUCKET_MB if a.bucket_mb is None else a.bucket_mb
     a.first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if a.first_bucket_mb is None else a.first_bucket_mb
@@ -403,7 +406,7 @@ def main():
     print(hdr)
     print("-" * len(hdr))
     for net in a.nets.split(",") if not a.worker else []:
-        best = {}
+        best, rounds = {}, {}
         for _ in range(a.repeat):
             for kind in comms:
                 if a.unpaired:
@@ -417,6 +420,9 @@ def main():
                     if key == kind:
                         # efficiency against the independent pair of the same round
                         sm["efficiency"] = sm["images_per_s"] / summarize(ind)["images_per_s"]
+                        rounds.setdefault(kind, []).append(
+                            (sm["efficiency"], 100 * sm["exposed_ms"] / sm["step_ms"],
+                             100 * sm["comm_exposed_ms"] / sm["step_ms"]))
                     if key not in best or sm["images_per_s"] > best[key]["images_per_s"]:
                         best[key] = sm
         for kind in ["independent"] + comms:
@@ -428,6 +434,15 @@ def main():
                 s["allreduce_ms"], s["exposed_ms"], s["skew_ms"], s["comm_exposed_ms"],
                 "  (slowest process at the pace of all: %.3f)" % s["sync_ceiling"] if kind == "independent"
                 else "  (%.1f%% of step exposed)" % (100 * s["exposed_ms"] / s["step_ms"])))
+        if a.repeat > 1:
+            # one round's efficiency moves by several points on a shared
+            # machine; the rounds' spread says how far to trust one
+            for kind in comms:
+                e, x, c = np.array(rounds[kind]).T
+                print("%-14s %-12s %d rounds: efficiency median %.3f (%.3f-%.3f), exposed median %.1f%% "
+                      "of step (comm part %.1f%%)" % (net, "mpi/" + kind, len(e), np.median(e), e.min(),
+                                                      e.max(), np.median(x), np.median(c)))
+                best[kind]["rounds"] = [list(r) for r in rounds[kind]]
         allres[net] = best
         sys.stdout.flush()
     if a.json:
