@@ -29,6 +29,8 @@ Memory ordering: ``Win.Sync`` (MPI_Win_sync, a memory barrier) between
 writing data and raising its flag, and between seeing a flag and reading
 the data.
 """
+import os
+
 import numpy as np
 
 from ..common import CaffeError, log
@@ -36,24 +38,56 @@ from .reducer import _yield_core
 
 CHUNK_BYTES = 1 << 16          # a sum's unit of work: 64 KB, a few microseconds
 MAX_BUCKETS = 4096             # buckets in one iteration (flags reserved for)
+SHM_DIR = "/dev/shm"           # where MPICH keeps the window's memory (a tmpfs)
 
 
 def make(world, capacity_bytes, asked):
-    """The shm transport when every rank is on this host, else None (then
-    the caller uses MPI).  Collective."""
+    """The shm transport when every rank is on this host and its shared
+    memory has room for the window, else None (then the caller uses MPI).
+    Collective."""
     MPI = world.MPI
     host = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
     if host.size == world.size:
-        try:
-            return SharedMemoryTransport(world, host, capacity_bytes)
-        except MPI.Exception as e:          # e.g. a /dev/shm too small for the window
-            reason = "no shared window of %.1f MB (%s)" % (2 * capacity_bytes / 2 ** 20, e.Get_error_string())
+        # Past the tmpfs's size the window's pages cannot be had, and the
+        # first rank to touch one dies of SIGBUS with no message (a
+        # container's /dev/shm is 64 MB unless docker run --shm-size).
+        # (segments rounded to 64 KB and 1 MB to spare: MPICH's own alignment)
+        need = sum(-(-_layout(capacity_bytes, q)[3] // 65536) * 65536 for q in range(host.size)) + 2 ** 20
+        free = host.bcast(_free_bytes(SHM_DIR) if host.rank == 0 else None, 0)
+        if free is not None and free < need:
+            reason = ("%s has %.1f MB free and the sums need %.1f MB (give it more, e.g. docker run "
+                      "--shm-size)" % (SHM_DIR, free / 2 ** 20, need / 2 ** 20))
+            asked = True            # worth saying even when nobody asked for shm
+        else:
+            try:
+                return SharedMemoryTransport(world, host, capacity_bytes)
+            except MPI.Exception as e:
+                reason = "no shared window of %.1f MB (%s)" % (need / 2 ** 20, e.Get_error_string())
     else:
         reason = "the ranks are on more than one host"
     host.Free()
     if asked and world.rank == 0:
         log.warning("--comm=shm: %s; using --comm=overlap", reason)
     return None
+
+
+def _free_bytes(path):
+    """Bytes free to an unprivileged writer under path, or None if unknown."""
+    try:
+        st = os.statvfs(path)
+    except OSError:
+        return None
+    return st.f_bavail * st.f_frsize
+
+
+def _layout(capacity_bytes, rank):
+    """(capacity, flag bytes, done flags, bytes of rank's segment): every
+    rank holds [data: capacity][ready flags: MAX_BUCKETS][copied flag], rank
+    0 also [result: capacity][done flags]."""
+    capacity = max(8, -(-int(capacity_bytes) // 8) * 8)
+    flags = 8 * (MAX_BUCKETS + 1)
+    max_chunks = capacity // CHUNK_BYTES + MAX_BUCKETS
+    return capacity, flags, max_chunks, capacity + flags + (capacity + 8 * max_chunks if rank == 0 else 0)
 
 
 class _Bucket:
@@ -72,12 +106,7 @@ class SharedMemoryTransport:
         MPI = self.MPI = world.MPI
         self.host = host
         self.rank, self.size = host.rank, host.size
-        self.capacity = max(8, -(-int(capacity_bytes) // 8) * 8)
-        max_chunks = self.capacity // CHUNK_BYTES + MAX_BUCKETS
-        # every rank: [data: capacity][ready flags: MAX_BUCKETS][copied flag];
-        # rank 0 also: [result: capacity][done flags: max_chunks]
-        flags = 8 * (MAX_BUCKETS + 1)
-        own = self.capacity + flags + (self.capacity + 8 * max_chunks if self.rank == 0 else 0)
+        self.capacity, flags, max_chunks, own = _layout(capacity_bytes, self.rank)
         self.win = MPI.Win.Allocate_shared(own, 8, comm=host)
         try:
             self.win.Lock_all(MPI.MODE_NOCHECK)

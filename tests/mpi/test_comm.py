@@ -124,6 +124,19 @@ def test_shm_sums_are_exact_in_any_arrival_order():
 
 
 @needs_mpi
+def test_shm_falls_back_to_mpi_when_dev_shm_has_no_room():
+    p = mpirun(2, [WORKERS / "shm_room_worker.py"])
+    assert "/dev/shm has 10.0 MB free and the sums need 61.2 MB" in p.stderr, p.stderr
+    assert p.stderr.count("using --comm=overlap") == 1, p.stderr       # rank 0 only
+
+
+def test_free_bytes_of_a_directory(tmp_path):
+    from caffempi.parallel.shm_transport import _free_bytes
+    assert _free_bytes(str(tmp_path)) > 0
+    assert _free_bytes(str(tmp_path / "absent")) is None
+
+
+@needs_mpi
 def test_overlap_polls_between_kernel_chunks():
     p = mpirun(2, [WORKERS / "progress_worker.py"])
     assert "polls inside conv backward" in p.stdout
