@@ -51,7 +51,7 @@ def make(world, capacity_bytes, asked):
         # Past the tmpfs's size the window's pages cannot be had, and the
         # first rank to touch one dies of SIGBUS with no message (a
         # container's /dev/shm is 64 MB unless docker run --shm-size).
-        # (segments rounded to 64 KB and 1 MB to spare: MPICH's own alignment)
+        # Segments rounded to 64 KB, and 1 MB to spare, for MPICH's alignment.
         need = sum(-(-_layout(capacity_bytes, q)[3] // 65536) * 65536 for q in range(host.size)) + 2 ** 20
         free = host.bcast(_free_bytes(SHM_DIR) if host.rank == 0 else None, 0)
         if free is not None and free < need:
