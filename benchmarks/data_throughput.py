@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 from google.protobuf import text_format  # noqa: E402
 
 import caffempi.layers.data  # noqa: E402,F401
-from caffempi import Net, TRAIN  # noqa: E402
+from caffempi import Net, TRAIN, config  # noqa: E402
 from caffempi.data.transformer import mean_to_blob_proto  # noqa: E402
 from caffempi.io import proto_io  # noqa: E402
 from caffempi.proto import caffe_pb2  # noqa: E402
@@ -49,7 +49,7 @@ def main(argv=None):
     ap.add_argument("--workers", type=int, default=None, help="decode threads (CAFFEMPI_DATA_WORKERS)")
     a = ap.parse_args(argv)
     if a.workers:
-        os.environ["CAFFEMPI_DATA_WORKERS"] = str(a.workers)
+        config.settings.data_workers = a.workers
     with tempfile.TemporaryDirectory() as tmp:
         mnist, cifar = os.path.join(tmp, "mnist_lmdb"), os.path.join(tmp, "cifar_lmdb")
         random_datum_lmdb(mnist, (1, 28, 28), a.records)
@@ -58,8 +58,8 @@ def main(argv=None):
         proto_io.write_binary_proto_atomic(mean, mean_to_blob_proto(np.full((3, 32, 32), 120, np.float32)))
         r1 = bench(mnist, a.batch, a.iters, "scale: 0.00390625")
         r2 = bench(cifar, a.batch, a.iters, 'crop_size: 28 mirror: true mean_file: "%s"' % mean)
-    w = os.environ.get("CAFFEMPI_DATA_WORKERS", "2")
-    print("Data layer throughput (batch %d, %d workers, %d iterations):" % (a.batch, int(w), a.iters))
+    print("Data layer throughput (batch %d, %d workers, %d iterations):"
+          % (a.batch, config.settings.data_workers, a.iters))
     print("  MNIST-sized 1x28x28, scale:                   %10.0f images/s" % r1)
     print("  CIFAR-sized 3x32x32, crop 28 + mirror + mean: %10.0f images/s" % r2)
 

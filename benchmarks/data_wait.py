@@ -1,6 +1,7 @@
 """Time the trainer waits for data, as the solver logs it (`Data wait:` per
 display interval), for LeNet and CIFAR10-quick reading LMDBs of random
-images through the Data layer (CIFAR: mean file, as models/cifar10 uses).
+images through the Data layer (CIFAR: mean file, as models/cifar10 uses),
+with the allocator tuned as `caffempi train` tunes it.
 
     python benchmarks/data_wait.py [--iters 200] [--display 50]
 """
@@ -18,6 +19,7 @@ sys.path.insert(0, str(REPO))
 
 from caffempi.common import captured_log  # noqa: E402
 from caffempi.io import proto_io  # noqa: E402
+from caffempi.memory import tune_allocator  # noqa: E402
 from caffempi.proto import caffe_pb2  # noqa: E402
 from caffempi.solvers import get_solver  # noqa: E402
 from caffempi.testing.datasets import random_datum_lmdb  # noqa: E402
@@ -66,6 +68,7 @@ def main():
     ap.add_argument("--iters", type=int, default=200)
     ap.add_argument("--display", type=int, default=50)
     args = ap.parse_args()
+    tune_allocator()
     with tempfile.TemporaryDirectory() as d:
         for name in NETS:
             run(name, args.iters, args.display, d)

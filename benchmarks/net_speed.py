@@ -4,7 +4,8 @@
 
 ``--memory`` is the activation memory mode (the trainer's default, reuse,
 unless told otherwise; see caffempi/memory.py).  The children get the glibc
-huge-page heap setting that the CLI gives itself (memory.hugepage_heap_env).
+huge-page heap setting and the allocator tuning that the CLI gives itself
+(memory.hugepage_heap_env, memory.tune_allocator).
 
 Each thread count runs in a fresh process (BLAS reads its thread count at
 load).  Prints one table per net and thread count, plus a summary.
@@ -27,7 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from caffempi.memory import hugepage_heap_env  # noqa: E402
+from caffempi.memory import hugepage_heap_env, tune_allocator  # noqa: E402
 NETS = [
     ("LeNet", "models/mnist/lenet_train_test.prototxt", (1, 28, 28), 64),
     ("CIFAR10-quick", "models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32), 100),
@@ -72,6 +73,7 @@ def measure(model, shape, batch, iterations, memory):
     from caffempi.timing import randomize_inputs, substitute_data_layers, time_net
     param = proto_io.read_net_param(str(REPO / model))
     param = substitute_data_layers(param, shape, only_unreadable=False, warn=False, batch_size=batch)
+    tune_allocator()
     net = Net(param, phase=TRAIN, memory=memory)
     randomize_inputs(net)
     for _ in range(3):  # warm-up

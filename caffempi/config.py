@@ -118,7 +118,10 @@ def use_cudnn(engine):
     """Whether a layer whose prototxt ``engine`` is ``engine`` (Caffe's Engine
     enum: DEFAULT 0, CAFFE 1, CUDNN 2) should run cuDNN's kernels on the GPU:
     CAFFE never, CUDNN always (where cuDNN loads), DEFAULT as
-    ``settings.cudnn`` says (Caffe builds with cuDNN prefer it likewise)."""
+    ``settings.cudnn`` says (Caffe builds with cuDNN prefer it likewise).
+    Only Convolution and Deconvolution have cuDNN kernels in this build:
+    Pooling, ReLU, Sigmoid, TanH, Softmax and LRN run ours whatever their
+    engine."""
     if engine == 1:
         return False
     if engine == 2:

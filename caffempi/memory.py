@@ -32,30 +32,32 @@ line):
     ``reuse`` plus: the outputs and state of cheap layers (``recompute_cheap``:
     the neuron layers but Dropout, BatchNorm, MVN, Scale, Bias, Softmax, Concat,
     Slice, Split, Flatten, Reshape, Crop, Tile, Eltwise SUM; not pooling or LRN,
-    whose NumPy forward costs 6-11% of a GoogLeNet pass) are dropped after
-    forward and recomputed in backward from their
-    inputs just before the first backward step that reads them.  Inputs that
-    an expensive layer produced are kept (referenced) for that; inputs made by
-    other cheap layers are themselves recomputed.  Layers whose forward updates
+    whose NumPy forward is a noticeable part of a pass) are dropped after
+    forward and recomputed in backward from their inputs just before the
+    first backward step that reads them.  Inputs that an expensive layer
+    produced are kept (referenced) for that; inputs made by other cheap
+    layers are themselves recomputed.  Layers whose forward updates
     statistics (BatchNorm in TRAIN) get those restored after the recomputation,
     so running statistics are updated once per pass.  Identical numbers
     (forward is deterministic; Dropout, whose forward draws random numbers, is
     never recomputed).
-With reuse or recompute on NumPy, :func:`tune_allocator` makes glibc keep
-freed memory for the next arrays (a pool) instead of unmapping and faulting it
-in again every pass.
-
 ``offload``
     Layrub's migration of large activations to host memory and back: GPU
-    only, not implemented (no CuPy backend yet).
+    only (the CuPy backend), not implemented yet.
+
+With reuse or recompute on NumPy, :func:`tune_allocator` makes glibc keep
+freed memory for the next arrays (a pool) instead of unmapping and faulting
+it in again every pass.  It is an explicit process step, not a side effect of
+building a Net, because it changes malloc for the whole process: the CLI's
+train, test and time call it, and a Python user may.
+
+History and measurements: docs/design/cpu.md
 """
 import ctypes
-import os
 import sys
 import tracemalloc
 
-import numpy as np
-
+from . import config
 from .common import CaffeError
 
 MODES = ("none", "reuse", "recompute")
@@ -69,8 +71,8 @@ TRAINING_DEFAULT = "reuse"
 def check_mode(mode):
     mode = (mode or "none").lower()
     if mode == "offload":
-        raise CaffeError("--memory=offload moves activations to host memory and back and needs a GPU "
-                         "(CuPy); it is not available in this build (use none, reuse or recompute)")
+        raise CaffeError("--memory=offload (moving activations to host memory and back, GPU only) "
+                         "is not implemented yet (use none, reuse or recompute)")
     if mode not in MODES:
         raise CaffeError("unknown --memory mode '%s' (choose from %s)" % (mode, ", ".join(MODES)))
     return mode
@@ -85,11 +87,12 @@ def tune_allocator():
     so each pass would page-fault its activations in again): no mmap, no trim.
     The process then reuses the storage the plan frees, like a memory pool,
     and its footprint is the planned peak.  Once per process; Linux/glibc
-    only; CAFFEMPI_MALLOC_TUNE=0 turns it off.  Returns True when applied."""
+    only; ``config.settings.malloc_tune`` (CAFFEMPI_MALLOC_TUNE=0) turns it
+    off.  Returns True when applied."""
     if _TUNED:
         return _TUNED[0]
     ok = False
-    if os.environ.get("CAFFEMPI_MALLOC_TUNE", "1") != "0" and sys.platform.startswith("linux"):
+    if config.settings.malloc_tune and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL("libc.so.6")
             M_TRIM_THRESHOLD, M_MMAP_MAX = -1, -4
@@ -109,12 +112,10 @@ def hugepage_heap_env(environ):
     only at process start), or None when it is set already or does not apply.
     With :func:`tune_allocator` the activations live in the heap, which
     otherwise gets 4 KiB pages (large mmap'ed arrays get huge pages through
-    NumPy's madvise), and strided kernels then keep missing the TLB:
-    CIFAR10-quick's 3x3/2 max pool ran 17 vs 6 ms, and a training step
-    took 7-8% more CPU time on LeNet and CIFAR10-quick (3 paired runs).
-    Older glibc ignores the unknown tunable.  CAFFEMPI_MALLOC_TUNE=0 turns it
-    off with the rest of the allocator tuning."""
-    if environ.get("CAFFEMPI_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
+    NumPy's madvise), and strided kernels then keep missing the TLB.  Older
+    glibc ignores the unknown tunable.  CAFFEMPI_MALLOC_TUNE=0 in ``environ``
+    turns it off with the rest of the allocator tuning."""
+    if not config.read(environ).malloc_tune or not sys.platform.startswith("linux"):
         return None
     tunables = environ.get("GLIBC_TUNABLES", "")
     if _HUGETLB in tunables:
@@ -158,8 +159,6 @@ class MemoryManager:
         self.probe = None               # fn(event, i) while measuring
         self.state_nbytes = {}          # layer -> bytes of its backward state (seen while measuring)
         self._zero = net.xp.zeros((), net.dtype)
-        if self.active and net.xp is np:
-            tune_allocator()
         self._plan()
 
     # ------------------------------------------------------------------ plan

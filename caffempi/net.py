@@ -10,6 +10,7 @@ from .backend import default_array_module
 from .blob import Blob
 from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
+from .io.atomic import atomic_path
 from .layers.base import create_layer
 from .proto import caffe_pb2
 
@@ -137,7 +138,7 @@ class Net:
         self.net_param = insert_splits(filter_net(param))
         self._backward_hooks = []
         # Backward seeds each loss top with loss_weight * gradient_scale, and
-        # every gradient is linear in that seed: a reducer that sums the ranks'
+        # every gradient is linear in that seed: a gradient sync that sums the ranks'
         # gradients sets 1/N here and gets their mean with no pass over them.
         self.gradient_scale = 1.0
         self._init_layers()
@@ -164,10 +165,7 @@ class Net:
             layer = create_layer(lp, self.phase, self.xp, self.dtype)
             layer.data_shard = self.data_shard
             bottoms = []
-            for name in lp.bottom:
-                if name not in self.blobs:
-                    raise CaffeError("layer '%s': unknown bottom blob '%s' (no earlier layer produces it)"
-                                     % (lp.name, name))
+            for name in lp.bottom:          # insert_splits checked that each exists
                 bottoms.append(self.blobs[name])
                 available.discard(name)
             tops = []
@@ -184,9 +182,7 @@ class Net:
             layer.setup(bottoms, tops)
             try:
                 layer.reshape(bottoms, tops)
-            except CaffeError:
-                raise
-            except (ValueError, IndexError) as e:
+            except (ValueError, IndexError) as e:      # a CaffeError passes through as it is
                 raise CaffeError("layer '%s' (%s): %s (bottom shapes %s)" % (
                     lp.name, lp.type, e, [b.shape for b in bottoms]))
             weights = []
@@ -405,7 +401,7 @@ class Net:
         self.param_diff[...] = 0
 
     def add_backward_hook(self, fn):
-        """``fn(layer_index)`` runs after each layer's backward (for the reducer)."""
+        """``fn(layer_index)`` runs after each layer's backward (for the gradient sync)."""
         self._backward_hooks.append(fn)
 
     def remove_backward_hook(self, fn):
@@ -538,21 +534,22 @@ class Net:
         proto_io.write_binary_proto_atomic(path, self.to_proto(write_diff))
 
     def save_hdf5(self, path, write_diff=False):
-        """Write weights in Caffe's HDF5 layout (data/<layer>/<i>)."""
+        """Write weights in Caffe's HDF5 layout (data/<layer>/<i>), atomically
+        (:mod:`caffempi.io.atomic`)."""
         import h5py
-        import os
         from .backend import to_numpy
-        tmp = path + ".tmp"
-        with h5py.File(tmp, "w") as f:
-            groups = [("data", "data")] + ([("diff", "diff")] if write_diff else [])
-            for gname, attr in groups:
-                g = f.create_group(gname)
-                for name, layer in zip(self.layer_names, self.layers):
-                    if layer.blobs:
-                        lg = g.create_group(name)
-                        for k, blob in enumerate(layer.blobs):
-                            lg.create_dataset(str(k), data=to_numpy(getattr(blob, attr)))
-        os.replace(tmp, path)
+        groups = [("data", "data")] + ([("diff", "diff")] if write_diff else [])
+        try:
+            with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+                for gname, attr in groups:
+                    g = f.create_group(gname)
+                    for name, layer in zip(self.layer_names, self.layers):
+                        if layer.blobs:
+                            lg = g.create_group(name)
+                            for k, blob in enumerate(layer.blobs):
+                                lg.create_dataset(str(k), data=to_numpy(getattr(blob, attr)))
+        except OSError as e:
+            raise CaffeError("cannot write %s: %s" % (os.fspath(path), e.strerror or e)) from None
 
     def share_weights(self, other):
         """Make this net's same-named layers use ``other``'s parameter blobs

@@ -8,6 +8,7 @@ import numpy as np
 from .backend import synchronize
 from .common import CaffeError, TRAIN, log
 from .io import proto_io
+from .memory import measure, tune_allocator
 from .net import Net, filter_net, phase_from_name
 from .proto import caffe_pb2
 
@@ -141,7 +142,6 @@ def time_net(net, iterations=50, report=log.info, measure_memory=True):
     for key, value in mem.items():
         report("Memory: %s = %d", key, value)
     if measure_memory:
-        from .memory import measure
         peak = measure(net, passes=2)
         result["memory"] = peak
         report("Memory: mode = %s", peak["mode"])
@@ -167,7 +167,9 @@ def _parse_shape(text):
 
 def time_command(flags):
     """Entry point for `caffempi time` (flags: model, iterations, phase,
-    stage, level, weights, data_shape, memory)."""
+    stage, level, weights, data_shape, memory).  Tunes the allocator first
+    (:func:`caffempi.memory.tune_allocator`), as train and test do, so that
+    the times are those of training."""
     model = getattr(flags, "model", None)
     if not model:
         raise CaffeError("time needs --model=NET.prototxt")
@@ -183,6 +185,7 @@ def time_command(flags):
     param = substitute_data_layers(filter_net(param), _parse_shape(getattr(flags, "data_shape", None)))
     from .cli import select_backend
     xp = select_backend(flags)
+    tune_allocator()
     net = Net(param, phase=phase, level=level, stages=stages,
               weights=getattr(flags, "weights", None) or None, xp=xp, source_name=model,
               memory=getattr(flags, "memory", None) or None)

@@ -301,17 +301,19 @@ def test_resume_reader_position_bitwise(small_db):
     close(straight), close(second)
 
 
-def test_thread_timing_does_not_change_batches(small_db, monkeypatch):
+def test_thread_timing_does_not_change_batches(small_db):
     db, _, _ = small_db
     tf = "crop_size: 4 mirror: true"
     from caffempi.common import set_random_seed
+    from caffempi.config import using_config
     outs = []
-    for workers in ("1", "4"):
-        monkeypatch.setenv("CAFFEMPI_DATA_WORKERS", workers)
-        set_random_seed(3)
-        net = data_net(db, 3, transform=tf, extra="prefetch: %s" % ("1" if workers == "1" else "8"))
-        outs.append(run(net, 9))
-        close(net)
+    for workers in (1, 4):
+        with using_config(data_workers=workers):
+            set_random_seed(3)
+            net = data_net(db, 3, transform=tf, extra="prefetch: %s" % ("1" if workers == 1 else "8"))
+            outs.append(run(net, 9))
+            assert net.layers[0]._prefetcher.workers == workers
+            close(net)
     for (x, y), (u, v) in zip(*outs):
         np.testing.assert_array_equal(x, u)
 

@@ -75,14 +75,6 @@ def default_array_module():
     return _default
 
 
-def get_array_module(*arrays):
-    """Chainer's pattern: cupy if any argument is a CuPy array, else numpy."""
-    cp = cupy_or_none()
-    if cp is not None:
-        return cp.get_array_module(*arrays)
-    return np
-
-
 def to_numpy(a):
     if isinstance(a, np.ndarray):
         return a

@@ -4,14 +4,13 @@ All image arrays are NCHW.  ``geom`` is the 2-D window geometry
 ``(kh, kw, sh, sw, ph, pw, dh, dw)``: kernel, stride, pad and dilation.
 
 Convolution is GEMM over unfolded input, in chunks of images whose unfolded
-input fits in cache (``_COL_CHUNK_BYTES``; a whole batch's can be hundreds
-of MB, which makes the GEMMs and copies run from main memory), all groups of
-a chunk in one batched matmul.  With vertical stride 1 (nearly every conv)
-the input is unfolded along the kernel width only, kw times its size, and
-the product is split by kernel row: row i's part reads a contiguous column
-range of that unfolding (:func:`_conv_row_taps`, :func:`_conv_dw_row_taps`).
-That replaced the full im2col (kh*kw times the input) and cut the forward
-and weight gradient of LeNet's conv2 and CIFAR10-quick's convs by 15-30%.
+input fits in cache (``_COL_CHUNK_BYTES``), all groups of a chunk in one
+batched matmul: a whole batch's unfolding can be hundreds of MB, which makes
+the GEMMs and copies run from main memory.  With vertical stride 1 (nearly
+every conv) the input is unfolded along the kernel width only, kw times its
+size, and the product is split by kernel row: row i's part reads a
+contiguous column range of that unfolding (:func:`_conv_row_taps`,
+:func:`_conv_dw_row_taps`), which copies kh times less than the full im2col.
 The full column matrix (:func:`im2col`, by strided copies with no loop over
 images or pixels) remains for vertical strides > 1, few input rows per
 product (LeNet's one-channel conv1; one matrix and product per image when
@@ -20,16 +19,8 @@ GEMM + col2im.  Scratch buffers persist between calls, one set per thread (see
 :func:`_work`).  The chunks, and the images of a pooling, run on the
 intra-op threads (:mod:`caffempi.backend.threads`), BLAS at one thread.
 
-Tried and not kept (1 BLAS thread, CIFAR10-quick / LeNet shapes): the
-kernel-row split without chunks of images (its operands then run from
-memory: CIFAR conv2/conv1 lost 4-12%); the data gradient by kernel rows
-(LeNet conv2 3.8 -> 4.2 ms, CIFAR conv2 22 -> 32); images innermost for
-one-channel inputs (LeNet conv1 dW 0.6 -> 1.95 ms); "wide" column matrices
-spanning the padded width (contiguous im2col rows) waste 25-50% GEMM
-columns, more than the copy they save.  For MAX pooling, maxima and
-first-argmax by equality over strided tap views (no phase copies) was 3-4x
-slower than the phase-split kernels below: strided ufuncs lose
-vectorisation.
+History and measurements, with what was tried and not kept:
+docs/design/cpu.md
 """
 import functools
 import threading
@@ -91,17 +82,17 @@ def _pad(x, ph, pw):
     return out
 
 
-def _chunk(n, per_image_bytes, limit=_COL_CHUNK_BYTES):
-    """Images per chunk so that a chunk's column matrix stays under limit
-    (in cache, on the CPU)."""
+def images_per_chunk(n, per_image_bytes, limit):
+    """Images per chunk (1 to n) so that a chunk's column matrix stays under
+    ``limit`` bytes (in cache, on the CPU)."""
     return int(max(1, min(n, limit // max(per_image_bytes, 1))))
 
 
 def _chunks(n, per_image_bytes):
     """(a, m) for chunks of m images from image a, equal in size, each under
-    _COL_CHUNK_BYTES (per image) as :func:`_chunk`; they run on the
+    _COL_CHUNK_BYTES (per image) as :func:`images_per_chunk`; they run on the
     intra-op threads (:func:`_each_chunk`)."""
-    count = -(-n // _chunk(n, per_image_bytes, _COL_CHUNK_BYTES))
+    count = -(-n // images_per_chunk(n, per_image_bytes, _COL_CHUNK_BYTES))
     nb = -(-n // count)
     return [(a, min(nb, n - a)) for a in range(0, n, nb)]
 
@@ -143,7 +134,8 @@ def matmul(a, b):
     return out
 
 
-def _is_pointwise(geom):
+def is_pointwise(geom):
+    """Whether the convolution is 1x1, stride 1, unpadded: a plain product."""
     kh, kw, sh, sw, ph, pw, dh, dw = geom
     return kh == 1 and kw == 1 and sh == 1 and sw == 1 and ph == 0 and pw == 0
 
@@ -218,7 +210,7 @@ def conv2d_forward(x, w, geom, group, bias=None):
     g = group
     wg = w.reshape(g, o // g, -1)
     y = np.empty((n, o, oh, ow), x.dtype)
-    if _is_pointwise(geom):
+    if is_pointwise(geom):
         # 1x1 convolution: a batched GEMM on the input itself.
         xr = x.reshape(n, g, c // g, h * wd)
         yr = y.reshape(n, g, o // g, h * wd)
@@ -431,7 +423,7 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
     wg = w.reshape(g, og, -1)
     dtype = dy.dtype
     gx = gw = None
-    if _is_pointwise(geom):
+    if is_pointwise(geom):
         dyr = dy.reshape(n, g, og, oh * ow)
         if need_dw:
             xr = x.reshape(n, g, cg, h * wd)

@@ -12,8 +12,10 @@ the first call for a (shapes, geometry, group, dtype) times every algorithm
 with cudnnFind*AlgorithmEx on a workspace from CuPy's pool and keeps the
 fastest that succeeds within ``WORKSPACE_CAP``.  FP32 runs with
 CUDNN_FMA_MATH (no TF32 tensor cores, so results stay within ~1e-5 of the
-CPU's) unless ``CAFFEMPI_TF32=1``; ``CAFFEMPI_CUDNN_DETERMINISTIC=1`` (or
-setting :data:`deterministic`) keeps only bit-reproducible algorithms.
+CPU's) unless ``config.settings.tf32`` (CAFFEMPI_TF32=1);
+``config.settings.cudnn_deterministic`` (CAFFEMPI_CUDNN_DETERMINISTIC=1)
+keeps only bit-reproducible algorithms.  Both are read per call and are part
+of the plan's key.
 """
 import collections
 import ctypes
@@ -21,12 +23,12 @@ import ctypes.util
 import os
 import threading
 
+from .. import config
 from . import cupy_or_none
 from .cpu import conv_out_size
 
 WORKSPACE_CAP = 1 << 30          # bytes an algorithm may use
 PLAN_CACHE_SIZE = 256            # (shape, geometry) plans kept, least recent dropped
-deterministic = os.environ.get("CAFFEMPI_CUDNN_DETERMINISTIC") == "1"
 find_calls = 0                   # cudnnFind*Ex calls made (tests check plans are reused)
 # WINOGRAD_NONFUSED (forward 7, backward data 5, backward filter 5) is never
 # picked: on an H100 with cuDNN 9.19 it was off by ~1e-2 of the output's
@@ -191,14 +193,16 @@ def _ptr(a):
 
 
 class _Plan:
-    """Descriptors for one (x shape, w shape, geom, group, dtype, math mode) and
-    the algorithm chosen for each direction.  Destroyed only when evicted."""
+    """Descriptors for one (x shape, w shape, geom, group, dtype, math mode,
+    determinism) and the algorithm chosen for each direction.  Destroyed only
+    when evicted."""
 
-    def __init__(self, x_shape, w_shape, geom, group, dtype, math):
+    def __init__(self, x_shape, w_shape, geom, group, dtype, math, deterministic):
         kh, kw, sh, sw, ph, pw, dh, dw = geom
         dt = _DATA_TYPE[dtype]
         self.y_shape = _out_shape(x_shape, w_shape, geom)
         self.math = math
+        self.deterministic = deterministic
         self.scalars = _SCALARS[dtype]
         self.algo = {}            # direction -> (algo, workspace bytes)
         self._owned = []
@@ -283,11 +287,11 @@ class _Plan:
         strict = self.math == _FMA_MATH
         ok = [p for p in perf[:got.value]
               if p.status == _SUCCESS and p.memory <= WORKSPACE_CAP and p.algo not in EXCLUDED_ALGOS[d]
-              and (not deterministic or p.determinism == _DETERMINISTIC)
+              and (not self.deterministic or p.determinism == _DETERMINISTIC)
               and not (strict and p.mathType in _TENSOR_OP_MATHS)]
         if not ok:
             raise RuntimeError("cuDNN found no usable %s algorithm (%d tried, deterministic=%s)"
-                               % (x, got.value, deterministic))
+                               % (x, got.value, self.deterministic))
         best = min(ok, key=lambda p: p.time)
         if not strict:             # run it with the math type it was timed with
             _call("cudnnSetConvolutionMathType", self.conv[d], best.mathType)
@@ -300,13 +304,14 @@ class _Plan:
 def _plan(cp, x_shape, w_shape, geom, group, dtype):
     if dtype.name not in _DATA_TYPE:
         raise TypeError("cuDNN convolution supports float32 and float64, not %s" % dtype)
-    math = _DEFAULT_MATH if os.environ.get("CAFFEMPI_TF32") == "1" else _FMA_MATH
+    math = _DEFAULT_MATH if config.settings.tf32 else _FMA_MATH
+    deterministic = bool(config.settings.cudnn_deterministic)
     key = (cp.cuda.Device().id, tuple(x_shape), tuple(w_shape), tuple(int(g) for g in geom),
            int(group), dtype.name, math, deterministic)
     with _lock:
         plan = _plans.get(key)
         if plan is None:
-            plan = _plans[key] = _Plan(x_shape, w_shape, geom, group, dtype.name, math)
+            plan = _plans[key] = _Plan(x_shape, w_shape, geom, group, dtype.name, math, deterministic)
             if len(_plans) > PLAN_CACHE_SIZE:
                 _plans.popitem(last=False)[1].destroy()
         else:

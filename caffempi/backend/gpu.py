@@ -7,19 +7,18 @@ group over a chunk of images, col2im by gathering (each input pixel sums the
 column entries that read it, so no atomics and a deterministic order).
 Pooling and the window sums are one thread per output element.  CuPy v14
 dropped its cuDNN bindings; :mod:`caffempi.backend.cudnn` (ctypes) replaces
-the convolution with cuDNN's where the library loads.
+the convolution with cuDNN's where the layer's engine asks for it
+(:func:`caffempi.config.use_cudnn`) and the library loads.
 
 Everything stays on the device: no host round trip in any kernel here.
 """
-import os
-
 import cupy as cp
 import numpy as np
 import cupyx
 
 from ..common import rng
 from . import cudnn
-from .cpu import _chunk, _is_pointwise, conv_out_size, dropout_scale
+from .cpu import conv_out_size, dropout_scale, images_per_chunk, is_pointwise
 
 # A chunk's column matrix is kept under this size: the whole batch's can be
 # gigabytes (AlexNet conv1 at batch 256: 1.1 GB) for no gain in GEMM speed.
@@ -96,14 +95,14 @@ def im2col_conv2d_forward(x, w, geom, group, bias=None):
     oh, ow = conv_out_size(h, kh, sh, ph, dh), conv_out_size(wd, kw, sw, pw, dw)
     g = group
     wg = w.reshape(g, o // g, -1)
-    if _is_pointwise(geom):
+    if is_pointwise(geom):
         y = cp.matmul(wg, x.reshape(n, g, c // g, h * wd)).reshape(n, o, oh, ow)
         if bias is not None:
             y += bias.reshape(o, 1, 1)
         return y
     y = cp.empty((n, o, oh, ow), x.dtype)
     p, k = oh * ow, c * kh * kw
-    nb = _chunk(n, k * p * x.itemsize, _COL_CHUNK_BYTES)
+    nb = images_per_chunk(n, k * p * x.itemsize, _COL_CHUNK_BYTES)
     for a in range(0, n, nb):
         m = min(nb, n - a)
         col = im2col(x[a:a + m], geom, oh, ow)
@@ -130,13 +129,13 @@ def im2col_conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_
     wg = w.reshape(g, og, -1)
     p, k = oh * ow, c * kh * kw
     gx = cp.empty(x_shape, dy.dtype) if need_dx else None
-    if need_dx and _is_pointwise(geom):
+    if need_dx and is_pointwise(geom):
         gx[...] = cp.matmul(wg.transpose(0, 2, 1), dy.reshape(n, g, og, p)).reshape(x_shape)
         need_dx = False
     gw = cp.zeros((g, og, k // g), dy.dtype) if need_dw else None
     if not need_dw and not need_dx:
         return gx, gw
-    nb = _chunk(n, k * p * dy.itemsize, _COL_CHUNK_BYTES)
+    nb = images_per_chunk(n, k * p * dy.itemsize, _COL_CHUNK_BYTES)
     for a in range(0, n, nb):
         m = min(nb, n - a)
         # dy of the chunk with images inside the columns, as the col matrix
@@ -152,20 +151,17 @@ def im2col_conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_
     return gx, gw
 
 
-# cuDNN's convolutions when the library loads (CAFFEMPI_CUDNN=0 turns them
-# off); measured on an H100, strict float32, 2-3x faster than im2col + GEMM
-# on AlexNet's convs.
-_USE_CUDNN = os.environ.get("CAFFEMPI_CUDNN", "1") != "0"
-
-
-def conv2d_forward(x, w, geom, group, bias=None):
-    if _USE_CUDNN and cudnn.available():
+def conv2d_forward(x, w, geom, group, bias=None, *, use_cudnn=False):
+    """cuDNN's convolution when ``use_cudnn`` (the layer's engine) and the
+    library loads, since it is 2-3x faster than im2col + GEMM; else ours."""
+    if use_cudnn and cudnn.available():
         return cudnn.conv2d_forward(x, w, geom, group, bias)
     return im2col_conv2d_forward(x, w, geom, group, bias)
 
 
-def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None):
-    if _USE_CUDNN and cudnn.available():
+def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None, *, use_cudnn=False):
+    """The gradients with cuDNN or ours, chosen as :func:`conv2d_forward`."""
+    if use_cudnn and cudnn.available():
         return cudnn.conv2d_backward(x, w, dy, geom, group, need_dx, need_dw, x_shape)
     return im2col_conv2d_backward(x, w, dy, geom, group, need_dx, need_dw, x_shape)
 

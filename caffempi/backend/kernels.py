@@ -17,12 +17,19 @@ def _impl(xp, name):
 conv_out_size = cpu.conv_out_size
 
 
-def conv2d_forward(xp, x, w, geom, group, bias=None):
-    return _impl(xp, "conv2d_forward")(x, w, geom, group, bias)
+def conv2d_forward(xp, x, w, geom, group, bias=None, *, use_cudnn=False):
+    """``use_cudnn`` (the layer's engine, :func:`caffempi.config.use_cudnn`)
+    picks cuDNN's kernel on the GPU; the CPU has one kernel and ignores it."""
+    if xp is np:
+        return cpu.conv2d_forward(x, w, geom, group, bias)
+    return _impl(xp, "conv2d_forward")(x, w, geom, group, bias, use_cudnn=use_cudnn)
 
 
-def conv2d_backward(xp, x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None):
-    return _impl(xp, "conv2d_backward")(x, w, dy, geom, group, need_dx, need_dw, x_shape)
+def conv2d_backward(xp, x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None, *, use_cudnn=False):
+    """The gradients (dx, dw); ``use_cudnn`` as in :func:`conv2d_forward`."""
+    if xp is np:
+        return cpu.conv2d_backward(x, w, dy, geom, group, need_dx, need_dw, x_shape)
+    return _impl(xp, "conv2d_backward")(x, w, dy, geom, group, need_dx, need_dw, x_shape, use_cudnn=use_cudnn)
 
 
 def matmul(xp, a, b):

@@ -7,24 +7,12 @@ copies, ufuncs and matmul, so every thread runs copies and GEMMs.  T is the
 BLAS library's thread count when caffempi first computes
 (``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS``, else one per core, as BLAS
 itself decides; :func:`set_thread_count` changes it), and BLAS is then kept
-at one thread for good.  Two reasons, both measured at 2 threads on 2 cores:
-the chunked GEMMs are skinny (few output channels) and OpenBLAS's threads
-gained nothing on them while the copies around them ran on one core
-(CIFAR10-quick was slower at 2 threads than at 1); and after each threaded
-call OpenBLAS's workers spin for a while waiting for more, taking the second
-core from whatever runs next (CIFAR10-quick's forward: 52 ms with kernels on
-2 threads beside a spinning BLAS, 31-36 ms with the spin cut short).
+at one thread for good: the chunked GEMMs are skinny and gain nothing from
+BLAS's own threads, whose spinning workers would take cores from the chunks.
 
-What limits the gain: between NumPy calls a thread needs the GIL, and
-handing it over costs tens of microseconds on this VM, so chunks made of
-many short calls scale badly.  Two threads each running ufuncs on 46K
-floats (about 18 us a call) took 2.2x as long as one thread doing its share
-alone, and on 4K floats 3x; at 200K floats, 1.16x.  The convolution chunks,
-mostly GEMMs that release the GIL for a millisecond, gain 1.25-1.45x at 2
-threads (CIFAR10-quick conv1-conv3, one run), the pooling chunks little or
-nothing (LeNet's pool1 forward 1.1 -> 1.4 ms, CIFAR10-quick's pool1 6.5 ->
-5.4-5.8 ms).  Pooling stays threaded all the same: run serially, it made
-CIFAR10-quick's step at 2 threads 89-94 ms instead of 84-89.
+Between NumPy calls a thread needs the GIL, so chunks made of many short
+calls scale badly: the convolution chunks (mostly GEMMs) gain most, the
+pooling chunks little; pooling stays threaded as it still shortens a step.
 
 The convolutions' and poolings' chunks never depend on T, and their
 partial sums are folded in chunk order, so their results are bitwise the
@@ -32,9 +20,11 @@ same for any thread count (products split by :func:`cpu.matmul` may differ
 in the last bits; see there).
 
 :func:`set_progress` installs a callable that the computing thread calls
-between chunks: the data-parallel reducer uses it to poll its pending
+between chunks: the data-parallel transport uses it to poll its pending
 allreduces inside a long layer (MPI progresses only when called), without
 the kernels knowing about MPI.
+
+History and measurements: docs/design/cpu.md
 """
 import os
 import threading

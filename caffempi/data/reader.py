@@ -2,9 +2,9 @@
 
 Per data layer and rank: one *producer* thread walks the source in stream
 order (the LMDB cursor, the image list, ...) and hands each batch's raw
-records to a small pool of *worker* threads (default 2, env
-CAFFEMPI_DATA_WORKERS) that decode and transform them.  Finished batches come
-out in order through a bounded queue of ``prefetch`` batches.
+records to a small pool of *worker* threads (``config.settings.data_workers``:
+CAFFEMPI_DATA_WORKERS, default 2) that decode and transform them.  Finished
+batches come out in order through a bounded queue of ``prefetch`` batches.
 
 Stopping: every blocking call uses a short timeout and checks a stop event;
 threads are daemons and every live prefetcher is stopped at exit.  An error in
@@ -18,24 +18,16 @@ batch ``b``, rank ``r``'s batch ``k`` holds stream positions
 is record ``(p + skip) mod N``: key order, wrapping to the start.
 """
 import atexit
-import os
 import queue
 import threading
 import time
 import weakref
 
+from .. import config
 from ..common import CaffeError, log
 
-DEFAULT_WORKERS = 2
 _POLL = 0.05
 _live = weakref.WeakSet()
-
-
-def default_workers():
-    try:
-        return max(1, int(os.environ.get("CAFFEMPI_DATA_WORKERS", DEFAULT_WORKERS)))
-    except ValueError:
-        return DEFAULT_WORKERS
 
 
 def shard_positions(batch_index, batch_size, rank=0, size=1):
@@ -71,7 +63,7 @@ class BatchPrefetcher:
         self.produce = produce
         self.process = process
         self.prefetch = max(1, int(prefetch))
-        self.workers = workers or default_workers()
+        self.workers = workers or config.settings.data_workers
         self._threads = []
         self._stop = None
 

@@ -11,7 +11,6 @@ Every error is a :class:`ProtoError` with a one-line message naming the file.
 from __future__ import annotations
 
 import os
-import tempfile
 
 import numpy as np
 from google.protobuf import message as _pb_message
@@ -19,6 +18,7 @@ from google.protobuf import text_format
 
 from ..common import CaffeError
 from ..proto import caffe_pb2
+from .atomic import write_bytes_atomic
 
 __all__ = [
     "ProtoError",
@@ -146,59 +146,25 @@ def read_binary_proto(path, msg_cls):
 
 
 def write_binary_proto_atomic(path, msg):
-    """Serialize ``msg`` to ``path`` atomically (see :func:`_write_atomic`)."""
+    """Serialize ``msg`` to ``path`` atomically (:mod:`caffempi.io.atomic`)."""
     try:
         payload = msg.SerializeToString()
     except _pb_message.EncodeError as e:
         raise ProtoError("cannot serialize %s for %s: %s"
                          % (msg.DESCRIPTOR.full_name, path, e)) from None
-    _write_atomic(os.fspath(path), payload)
+    _write(path, payload)
 
 
 def write_text_proto_atomic(path, msg):
     """``msg`` in protobuf text format (a .prototxt) to ``path`` atomically."""
-    _write_atomic(os.fspath(path), text_format.MessageToString(msg).encode("utf-8"))
+    _write(path, text_format.MessageToString(msg).encode("utf-8"))
 
 
-def _write_atomic(path, payload):
-    """The bytes go to a temporary file in the same directory, which is
-    flushed, fsync'ed and renamed over ``path``; the directory is then
-    fsync'ed so the rename itself is durable.  A reader never sees a partial
-    file."""
-    directory = os.path.dirname(os.path.abspath(path))
-    tmp = None
+def _write(path, payload):
     try:
-        fd, tmp = tempfile.mkstemp(prefix="." + os.path.basename(path) + ".",
-                                   suffix=".tmp", dir=directory)
-        with os.fdopen(fd, "wb") as f:
-            f.write(payload)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        tmp = None
-        _fsync_dir(directory)
+        write_bytes_atomic(path, payload)
     except OSError as e:
-        raise ProtoError("cannot write %s: %s" % (path, e.strerror or e)) from None
-    finally:
-        if tmp is not None:
-            try:
-                os.unlink(tmp)
-            except OSError:
-                pass
-
-
-def _fsync_dir(directory):
-    flags = os.O_RDONLY | getattr(os, "O_DIRECTORY", 0)
-    try:
-        dfd = os.open(directory, flags)
-    except OSError:
-        return  # e.g. platforms that cannot open directories
-    try:
-        os.fsync(dfd)
-    except OSError:
-        pass
-    finally:
-        os.close(dfd)
+        raise ProtoError("cannot write %s: %s" % (os.fspath(path), e.strerror or e)) from None
 
 
 # --------------------------------------------------------------------------

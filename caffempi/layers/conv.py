@@ -1,6 +1,9 @@
 """Convolution and Deconvolution (transposed convolution), 2-D, as Caffe's
 BaseConvolutionLayer: bottom i -> top i with shared weights, groups, dilation.
-The arithmetic is in :mod:`caffempi.backend.kernels` (im2col + GEMM)."""
+The arithmetic is in :mod:`caffempi.backend.kernels` (im2col + GEMM, or
+cuDNN's on the GPU as the layer's ``engine`` says, resolved once at setup by
+:func:`caffempi.config.use_cudnn` into ``use_cudnn``)."""
+from .. import config
 from ..backend import kernels
 from .base import Layer, register
 
@@ -77,6 +80,7 @@ class _ConvBase(Layer):
             if cp.bias_term:
                 self.blobs.append(self.fill(cp.bias_filler, (self.num_output,)))
         self.bias_term = cp.bias_term
+        self.use_cudnn = config.use_cudnn(cp.engine)
 
     def _out_size(self, h, w):
         kh, kw, sh, sw, ph, pw, dh, dw = self.geom
@@ -101,15 +105,16 @@ class _ConvBase(Layer):
             t.reshape((shape[0], self.num_output, oh, ow))
 
     def _conv(self, x, w, bias=None):
-        return kernels.conv2d_forward(self.xp, x, w, self.geom, self.group, bias)
+        return kernels.conv2d_forward(self.xp, x, w, self.geom, self.group, bias, use_cudnn=self.use_cudnn)
 
     def _conv_t(self, dy, w, x_shape):
         return kernels.conv2d_backward(self.xp, None, w, dy, self.geom, self.group,
-                                       need_dx=True, need_dw=False, x_shape=x_shape)[0]
+                                       need_dx=True, need_dw=False, x_shape=x_shape,
+                                       use_cudnn=self.use_cudnn)[0]
 
     def _conv_dw(self, x, dy, w):
         return kernels.conv2d_backward(self.xp, x, w, dy, self.geom, self.group,
-                                       need_dx=False, need_dw=True)[1]
+                                       need_dx=False, need_dw=True, use_cudnn=self.use_cudnn)[1]
 
     def forward(self, bottom, top):
         w = self.blobs[0].data
@@ -137,7 +142,8 @@ class _ConvBase(Layer):
                     b.diff = self._conv(dy, w)
             else:
                 dx, dw = kernels.conv2d_backward(self.xp, b.data, w, dy, self.geom, self.group,
-                                                 need_dx=bool(propagate_down[i]), need_dw=True)
+                                                 need_dx=bool(propagate_down[i]), need_dw=True,
+                                                 use_cudnn=self.use_cudnn)
                 self.blobs[0].diff += dw
                 if propagate_down[i]:
                     b.diff = dx

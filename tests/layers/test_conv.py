@@ -260,3 +260,77 @@ def test_every_dispatched_kernel_has_both_implementations():
     for name in sorted(names):
         assert callable(getattr(cpu, name)), name
         assert name in gpu_defs, name
+
+
+ENGINES = """
+layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 1 dim: 2 dim: 6 dim: 6 } } }
+layer { name: "caffe" type: "Convolution" bottom: "x" top: "a"
+        convolution_param { num_output: 2 kernel_size: 3 engine: CAFFE } }
+layer { name: "cudnn" type: "Convolution" bottom: "x" top: "b"
+        convolution_param { num_output: 2 kernel_size: 3 engine: CUDNN } }
+layer { name: "default" type: "Deconvolution" bottom: "x" top: "c"
+        convolution_param { num_output: 2 kernel_size: 3 } }
+"""
+
+
+@pytest.mark.parametrize("cudnn", [True, False])
+def test_engine_is_resolved_per_layer_at_setup(cudnn):
+    from google.protobuf import text_format
+    from caffempi import Net
+    from caffempi.config import using_config
+    from caffempi.proto import caffe_pb2
+    with using_config(cudnn=cudnn):
+        net = Net(text_format.Parse(ENGINES, caffe_pb2.NetParameter()))
+    # outside the block: the value resolved at setup stays
+    resolved = {name: layer.use_cudnn for name, layer in zip(net.layer_names, net.layers)
+                if layer.type in ("Convolution", "Deconvolution")}
+    assert resolved == {"caffe": False, "cudnn": True, "default": cudnn}
+
+
+@pytest.mark.parametrize("kind", ["Convolution", "Deconvolution"])
+@pytest.mark.parametrize("engine,expected", [("CAFFE", False), ("CUDNN", True)])
+def test_layer_passes_its_engine_to_every_kernel_call(kind, engine, expected, monkeypatch):
+    from caffempi.backend import kernels
+    seen = []
+    for name in ("conv2d_forward", "conv2d_backward"):
+        def spy(*args, _real=getattr(kernels, name), **kw):
+            seen.append(kw["use_cudnn"])
+            return _real(*args, **kw)
+        monkeypatch.setattr(kernels, name, spy)
+    check_gradient(conv_text("num_output: 2 kernel_size: 3 engine: %s" % engine, kind), [rand(1, 2, 5, 5)])
+    assert seen and set(seen) == {expected}
+
+
+def load_gpu_module(monkeypatch):
+    """caffempi/backend/gpu.py run against a stand-in cupy, to check its
+    Python-level dispatch on a machine without CUDA."""
+    import importlib.util
+    import sys
+    from pathlib import Path
+    from unittest import mock
+    from caffempi.backend import kernels
+    monkeypatch.setitem(sys.modules, "cupy", mock.MagicMock())
+    monkeypatch.setitem(sys.modules, "cupyx", mock.MagicMock())
+    path = Path(kernels.__file__).parent / "gpu.py"
+    spec = importlib.util.spec_from_file_location("caffempi.backend.gpu_under_test", path)
+    gpu = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu)
+    return gpu
+
+
+@pytest.mark.parametrize("use_cudnn,loads,expected", [
+    (True, True, "cudnn"), (True, False, "ours"), (False, True, "ours")])
+def test_gpu_convolution_uses_cudnn_only_when_asked_and_loaded(use_cudnn, loads, expected, monkeypatch):
+    from caffempi.backend import kernels
+    gpu = load_gpu_module(monkeypatch)
+    monkeypatch.setattr(kernels, "_impl", lambda xp, name: getattr(gpu, name))
+    calls = []
+    monkeypatch.setattr(gpu.cudnn, "available", lambda: loads)
+    for name in ("conv2d_forward", "conv2d_backward"):
+        monkeypatch.setattr(gpu.cudnn, name, lambda *a, _n=name: calls.append(("cudnn", _n)))
+        monkeypatch.setattr(gpu, "im2col_" + name, lambda *a, _n=name: calls.append(("ours", _n)))
+    x, w, geom = rand(1, 2, 5, 5), rand(2, 2, 3, 3), (3, 3, 1, 1, 0, 0, 1, 1)
+    gpu_xp = object()              # anything but numpy dispatches to the GPU module
+    kernels.conv2d_forward(gpu_xp, x, w, geom, 1, use_cudnn=use_cudnn)
+    kernels.conv2d_backward(gpu_xp, x, w, rand(1, 2, 3, 3), geom, 1, use_cudnn=use_cudnn)
+    assert calls == [(expected, "conv2d_forward"), (expected, "conv2d_backward")]
