@@ -18,7 +18,7 @@ any synchronous job on cores that run at unequal speeds), and per iteration
 in ms: step (mean, and median),
 compute (forward+backward+update), allreduce (a blocking allreduce of the
 whole gradient, measured alone after the run), exposed (time spent in the
-reducer's wait after backward), split into skew (waiting for the other rank
+gradient sync's wait after backward), split into skew (waiting for the other rank
 to finish its backward, from the ranks' common monotonic clock) and comm
 (what is left: communication not hidden behind the slowest rank's backward).
 --json writes everything (tools/scaling_model.py reads it).
@@ -39,6 +39,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from caffempi.parallel.sync import GradientSync  # noqa: E402
 
 NETS = {
     "lenet": ("models/mnist/lenet_train_test.prototxt", (1, 28, 28)),
@@ -54,28 +55,20 @@ def load_net_param(name):
 
 
 # ------------------------------------------------------------------ worker
-class Lockstep:
-    """--comm barrier in place of the reducer: keeps the ranks in step as
-    gradient averaging does (every rank waits for the slowest after
+class Lockstep(GradientSync):
+    """--comm barrier in place of gradient averaging: keeps the ranks in
+    step as averaging does (every rank waits for the slowest after
     backward) with nothing to send, so what it loses against the
     independent pair is the machine's (jitter, unequal cores, the ranks
     contending for memory in the same layers), not communication."""
     buckets = []
 
-    def __init__(self, world):
-        self.world = world
-
-    def attach(self, net):
-        pass
-
-    def start_iteration(self, net):
-        pass
+    def attach(self, net, iter_size=1):
+        self.net = net
 
     def finish(self, net):
         self.world.barrier()
-
-    def close(self):
-        pass
+        return 0.0
 
 
 def _world_and_net(args, comm):
@@ -84,20 +77,21 @@ def _world_and_net(args, comm):
     from caffempi.common import TRAIN
     from caffempi.net import Net
     from caffempi.parallel.comm import get_world
-    from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
+    from caffempi.parallel.collectives import Collectives
+    from caffempi.parallel.launch import install_abort_handlers
 
     world = get_world(comm)
     install_abort_handlers(world)
     net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
-    broadcast_weights(net, world)
+    Collectives(world).broadcast_arrays([net.param_data])
     return world, net
 
 
 def _averager(world, comm, args):
-    from caffempi.parallel.reducer import Reducer
+    from caffempi.parallel.sync import BucketedAllreduce
     if comm == "barrier":
         return Lockstep(world)
-    return Reducer(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+    return BucketedAllreduce(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
 
 
 def worker(args):
@@ -241,8 +235,7 @@ def interleaved_worker(args):
         net.param_data -= np.float32(0.001) * net.param_diff
         if i >= args.warmup * len(modes):
             times[mode].append(time.perf_counter() - t)
-        if not isinstance(red, Lockstep):
-            red.detach()
+        red.detach()
     for red in reducers:
         red.close()
     slowest = {m: np.max(world.allgather(times[m]), axis=0).tolist() for m in modes}
@@ -381,7 +374,7 @@ def main():
                          "mode's step and its cost over barrier")
     a = ap.parse_args()
     import numpy as np
-    from caffempi.parallel.reducer import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
+    from caffempi.parallel.buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
     a.bucket_mb = DEFAULT_BUCKET_MB if a.bucket_mb is None else a.bucket_mb
     a.first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if a.first_bucket_mb is None else a.first_bucket_mb
     if a.worker:

@@ -1,4 +1,5 @@
 """caffempi: a Caffe-compatible, MPI data-parallel deep-learning trainer."""
+from . import config  # noqa: F401  (caffempi.config.using_config)
 from .backend import set_device, set_mode_cpu, set_mode_gpu
 from .blob import Blob
 from .common import TEST, TRAIN, CaffeError, set_random_seed

@@ -18,6 +18,7 @@ from collections import OrderedDict
 
 from .common import AgreedError, CaffeError, TEST, init_logging, log
 from .io.proto_io import ProtoError
+from .memory import tune_allocator
 
 PROG = "caffempi"
 
@@ -233,14 +234,15 @@ def train(flags):
     if flags.weights and not flags.snapshot:
         param.weights.append(flags.weights)
     # Under mpirun: MPI, per-rank logging, abort on any rank's error, the
-    # gradient reducer.  Without a launcher: one process, no MPI import.
+    # gradient strategy.  Without a launcher: one process, no MPI import.
     from .parallel.launch import setup_parallel
-    world, reducer = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
-                                    debug=flags.debug)
+    world, sync = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
+                                 debug=flags.debug)
     xp = select_backend(flags, param, world)
+    tune_allocator()        # a start-up step of the command, not of building a Net
     handler = SignalHandler(flags.sigint_effect, flags.sighup_effect)
     try:
-        solver = get_solver(param, xp=xp, source=flags.solver, reducer=reducer, memory=flags.memory)
+        solver = get_solver(param, xp=xp, source=flags.solver, sync=sync, memory=flags.memory)
         solver.set_action_function(handler.get_action)
         if flags.snapshot:
             log.info("Resuming from %s", flags.snapshot)
@@ -262,7 +264,7 @@ def test(flags):
     if not flags.weights:
         raise CaffeError("Need model weights to score (--weights).")
     xp = select_backend(flags)
-    import os
+    tune_allocator()        # a start-up step of the command, not of building a Net
     if not os.path.exists(flags.model):
         raise CaffeError("model file %s does not exist" % flags.model)
     for w in flags.weights.split(","):
@@ -366,13 +368,15 @@ def _reexec_for_heap_hugepages():
 
 
 def _rank_prefix():
-    from .parallel.comm import _world
-    return "[rank %d] " % _world.rank if _world is not None and _world.size > 1 else ""
+    from .parallel.comm import current_world
+    world = current_world()
+    return "[rank %d] " % world.rank if world is not None and world.size > 1 else ""
 
 
 def _is_root():
-    from .parallel.comm import _world
-    return _world is None or _world.rank == 0
+    from .parallel.comm import current_world
+    world = current_world()
+    return world is None or world.rank == 0
 
 
 def _exit_code(rc):

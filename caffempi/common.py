@@ -20,8 +20,23 @@ class CaffeError(Exception):
 
 class AgreedError(CaffeError):
     """A CaffeError that every rank raises at the same point of the loop (after
-    agreeing on it through the reducer): rank 0 reports it and every rank exits
+    agreeing on it through the collectives): rank 0 reports it and every rank exits
     normally, with no MPI_Abort."""
+
+
+class SolverAction:
+    """What a signal asks of the solver (Caffe's SolverAction::Enum)."""
+    NONE = 0
+    STOP = 1
+    SNAPSHOT = 2
+
+    @staticmethod
+    def from_name(name):
+        try:
+            return {"none": SolverAction.NONE, "stop": SolverAction.STOP,
+                    "snapshot": SolverAction.SNAPSHOT}[name]
+        except KeyError:
+            raise CaffeError("invalid signal effect '%s' (stop, snapshot or none)" % name)
 
 
 # --------------------------------------------------------------------- random
@@ -32,6 +47,13 @@ def set_random_seed(seed):
     """Seed every random draw of this process (fillers, dropout, shuffles)."""
     global _rng
     _rng = np.random.RandomState(int(seed) % (2 ** 32))
+
+
+def rank_seed(seed, rank):
+    """The seed of rank ``rank``'s process random state when the solver's
+    random_seed is ``seed``: the one per-rank rule (ranks draw different
+    dropout masks; a resume on as many ranks reproduces them)."""
+    return int(seed) + int(rank)
 
 
 def rng():

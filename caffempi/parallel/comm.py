@@ -1,20 +1,23 @@
 """The MPI world of this process, imported lazily.
 
 ``get_world()`` returns a :class:`World`: under ``mpirun``/``mpiexec`` (the
-launcher's environment says so) it wraps mpi4py's ``COMM_WORLD``; otherwise,
-or when ``CAFFEMPI_MPI=0``, a trivial single-process world whose collectives
-are no-ops, so a machine without an MPI runtime (or without mpi4py) trains
-on one process.  ``CAFFEMPI_MPI=1`` forces MPI initialisation even when no
-launcher variable is visible (e.g. a singleton MPI run).
+launcher's environment says so) an :class:`MPIWorld` over mpi4py's
+``COMM_WORLD``; otherwise, or when ``CAFFEMPI_MPI=0``, a :class:`SingleWorld`
+whose collectives return their input, so a machine without an MPI runtime
+(or without mpi4py) trains on one process.  ``CAFFEMPI_MPI=1`` forces MPI
+initialisation even when no launcher variable is visible.
 
-Layers and solvers never talk to MPI; only caffempi.parallel does.
+Only caffempi.parallel talks to MPI; layers and solvers never do.
 """
 import contextlib
 import os
 import sys
+import time
+from abc import ABC, abstractmethod
 
 import numpy as np
 
+from .. import config
 from ..common import CaffeError
 
 # Environment variables that launchers set in every rank (MPICH/Hydra,
@@ -32,13 +35,12 @@ _world = None
 
 
 def launched_by_mpi(environ=None):
-    """True when an MPI launcher started this process (or CAFFEMPI_MPI=1)."""
+    """True when an MPI launcher started this process (or CAFFEMPI_MPI=1);
+    ``environ``: another environment to judge instead of this process's."""
     env = os.environ if environ is None else environ
-    flag = env.get("CAFFEMPI_MPI", "").strip().lower()
-    if flag in ("0", "no", "false", "off"):
-        return False
-    if flag in ("1", "yes", "true", "on"):
-        return True
+    forced = (config.settings if environ is None else config.read(environ)).mpi
+    if forced is not None:
+        return forced
     return any(v in env for v in _SIZE_VARS + _RANK_VARS)
 
 
@@ -53,17 +55,72 @@ def _launcher_size(environ=None):
     return None
 
 
-class SingleWorld:
-    """One process, no MPI: every collective returns its input."""
+class World(ABC):
+    """The ranks of a job and the collectives on host buffers that the
+    parallel package builds on.  Every rank calls each collective in the
+    same order."""
     rank = 0
     size = 1
     is_mpi = False
-    comm = None
-    MPI = None
+    comm = None          # the mpi4py communicator, None without MPI
+    MPI = None           # the mpi4py.MPI module, None without MPI
 
     @property
     def is_root(self):
         return self.rank == 0
+
+    @abstractmethod
+    def barrier(self):
+        """Return when every rank has called it."""
+
+    @abstractmethod
+    def bcast(self, obj, root=0):
+        """``root``'s picklable ``obj`` on every rank."""
+
+    @abstractmethod
+    def bcast_array(self, arr, root=0):
+        """Overwrite ``arr`` (contiguous; NumPy or CuPy) with ``root``'s; returns it."""
+
+    @abstractmethod
+    def allreduce_sum(self, arr):
+        """In-place sum over ranks of a contiguous array; returns it."""
+
+    @abstractmethod
+    def allreduce_scalars(self, values, op="sum"):
+        """Element-wise sum, max or min over ranks of a list of floats, as a
+        float64 array."""
+
+    @abstractmethod
+    def allgather(self, obj):
+        """Every rank's picklable ``obj``, in rank order, on every rank."""
+
+    @abstractmethod
+    def gather(self, obj, root=0):
+        """Every rank's ``obj`` in rank order on ``root``, None elsewhere."""
+
+    def any(self, flag):
+        """True on every rank if ``flag`` is true on any rank."""
+        return bool(self.allreduce_scalars([1.0 if flag else 0.0], "max")[0])
+
+    @abstractmethod
+    def abort(self, code=1):
+        """End every rank of the job now with exit status ``code``; never returns."""
+
+    @abstractmethod
+    def processor_name(self):
+        """The name of this rank's host."""
+
+    @abstractmethod
+    def local_rank(self):
+        """(rank, size) among the ranks on this host."""
+
+    @abstractmethod
+    def library_version(self):
+        """The MPI library, in one line."""
+
+
+class SingleWorld(World):
+    """One process, no MPI: every collective returns its input."""
 
     def barrier(self):
         pass
@@ -75,7 +132,6 @@ class SingleWorld:
         return arr
 
     def allreduce_sum(self, arr):
-        """In-place sum over ranks of a contiguous array; returns it."""
         return arr
 
     def allreduce_scalars(self, values, op="sum"):
@@ -84,8 +140,8 @@ class SingleWorld:
     def allgather(self, obj):
         return [obj]
 
-    def any(self, flag):
-        return bool(flag)
+    def gather(self, obj, root=0):
+        return [obj]
 
     def abort(self, code=1):
         sys.stdout.flush()
@@ -97,14 +153,13 @@ class SingleWorld:
         return socket.gethostname()
 
     def local_rank(self):
-        """(rank, size) among the ranks on this host."""
         return 0, 1
 
     def library_version(self):
         return "no MPI (single process)"
 
 
-class MPIWorld(SingleWorld):
+class MPIWorld(World):
     """COMM_WORLD through mpi4py (host buffers)."""
     is_mpi = True
 
@@ -143,15 +198,14 @@ class MPIWorld(SingleWorld):
     def allgather(self, obj):
         return self.comm.allgather(obj)
 
-    def any(self, flag):
-        return bool(self.allreduce_scalars([1.0 if flag else 0.0], "max")[0])
+    def gather(self, obj, root=0):
+        return self.comm.gather(obj, root=root)
 
     def abort(self, code=1):
         sys.stdout.flush()
         sys.stderr.flush()
         # give the launcher a moment to forward this rank's last output
         # before MPI_Abort makes it kill every rank
-        import time
         time.sleep(0.3)
         try:
             self.comm.Abort(code)
@@ -227,18 +281,15 @@ def get_world(comm=None):
     """This process's world (created on first use; MPI imported only if needed).
 
     ``comm`` is the gradient mode (``--comm``), which the first call decides
-    for the process's MPI: ``async`` asks MPICH for its progress thread
-    (MPIR_CVAR_ASYNC_PROGRESS=1, read at initialisation), and ``thread``
-    needs MPI_THREAD_MULTIPLE, since the communication thread calls MPI
-    beside the main one.  Every other mode calls MPI from the main thread
-    only (the data threads hand their errors to it) and asks for
-    MPI_THREAD_FUNNELED: with MULTIPLE, MPICH locks in every call (an 8-byte
-    Allreduce on 2 ranks here took 3.0-3.3 us against 1.3-1.4)."""
+    for the process's MPI: ``thread`` needs MPI_THREAD_MULTIPLE, since the
+    communication thread calls MPI beside the main one; every other mode
+    calls MPI from the main thread only (the data threads hand their errors
+    to it) and asks for MPI_THREAD_FUNNELED, since under MULTIPLE MPICH
+    takes a lock in every call.  (``async`` also needs MPICH's progress
+    thread, an environment setting made before this: launch.init_process.)"""
     global _world
     if _world is not None:
         return _world
-    if comm == "async":
-        os.environ["MPIR_CVAR_ASYNC_PROGRESS"] = "1"
     if not launched_by_mpi():
         _world = SingleWorld()
         return _world
@@ -268,8 +319,6 @@ def get_world(comm=None):
     return _world
 
 
-def set_world(world):
-    """Replace the process's world (tests)."""
-    global _world
-    _world = world
-    return world
+def current_world():
+    """The world if one was made in this process, else None (never creates one)."""
+    return _world

@@ -25,18 +25,21 @@ AllReduceEA.md says is meant to be "the same params and the same center").
 allreduce of zero deltas is for ranks that took a different number of steps
 (its test draws them at random); ours run in lockstep, so it is left out.
 Unlike synchronizeCenter, every rank also takes the centre as its parameters:
-the solver calls it (through ``EASGDReducer.synchronize_model``) before each
+the solver calls it (through ``ElasticAveraging.synchronize_model``) before each
 test pass and snapshot, so the test scores and the .caffemodel are the
 centre's, and a resume from that snapshot (whose weights become every rank's
 params and centre) continues exactly as the uninterrupted run.
 """
 import numpy as np
 
+from ..common import CaffeError, log
+from .sync import GradientSync
+
 
 class ElasticAverager:
     def __init__(self, world, tau=10, alpha=0.2):
         if tau < 1:
-            raise ValueError("--tau must be >= 1")
+            raise CaffeError("--tau must be >= 1, got %d" % tau)
         self.world = world
         self.tau = int(tau)
         self.alpha = float(alpha)
@@ -82,23 +85,15 @@ class ElasticAverager:
         self.step = 0
 
 
-def _reducer_base():
-    from .reducer import Reducer
-    return Reducer
-
-
-class EASGDReducer(_reducer_base()):
-    """The solver's reducer for ``--sync=easgd``: gradients stay local (each
-    rank steps on its own batch), and after every update
-    :meth:`after_update` runs the elastic averaging every ``tau`` steps.
-    Displayed losses, test scores and signal actions are combined as in the
-    gradient-averaging reducer; tests and snapshots see the centre
+class ElasticAveraging(GradientSync):
+    """``--sync=easgd``: gradients stay local (each rank steps on its own
+    batch), and :meth:`after_update` runs the elastic averaging every
+    ``tau`` steps.  Tests and snapshots see the centre
     (:meth:`synchronize_model`)."""
 
     def __init__(self, world, tau=10, alpha=0.2):
-        super().__init__(world, comm="blocking")
+        super().__init__(world)
         self.averager = ElasticAverager(world, tau, alpha)
-        self._started = False
         # True while every rank holds the same weights and history (after the
         # broadcast or a synchronisation, until the next local step): a test
         # right after a snapshot then costs no collective and changes nothing.
@@ -107,16 +102,24 @@ class EASGDReducer(_reducer_base()):
     def attach(self, net, iter_size=1):
         self.net = net
         self.iter_size = iter_size
-        if self.is_root and self.active:
-            from ..common import log
-            log.info("Elastic averaging over %d ranks: tau = %d, alpha = %g", self.size,
+        if self.collectives.is_root and self.active:
+            log.info("Elastic averaging over %d ranks: tau = %d, alpha = %g", self.world.size,
                      self.averager.tau, self.averager.alpha)
 
-    def broadcast_params(self, net, root=0):
-        super().broadcast_params(net, root)
+    def on_start(self, net):
+        super().on_start(net)
         self.averager.start(net.param_data)
-        self._started = True
         self._in_sync = True
+
+    def finish(self, net):
+        self._in_sync = False
+        return 0.0
+
+    def after_update(self, net):
+        """After each local update: every ``tau`` of them, the elastic step
+        (AllReduceEA's averageParameters)."""
+        if self.active:
+            self.averager.after_update(net.param_data)
 
     def synchronize_model(self, net, history):
         """Every rank takes the centre as its weights and the mean of the
@@ -128,41 +131,7 @@ class EASGDReducer(_reducer_base()):
         self.averager.synchronize(net.param_data)
         for h in history:
             self.world.allreduce_sum(h)
-            h *= h.dtype.type(1.0 / self.size)
+            h *= h.dtype.type(1.0 / self.world.size)
             # a sum of more than two ranks may differ in the last bit between ranks
             self.world.bcast_array(h, 0)
         self._in_sync = True
-
-    def start_iteration(self, net, iter_size=None):
-        if self.net is not net:
-            self.attach(net, iter_size or 1)
-
-    def before_pass(self, net, index, last):
-        pass
-
-    def finish(self, net):
-        self.last_exposed = 0.0
-        self.iterations += 1
-        self._updated = True
-        self._in_sync = False
-        return 0.0
-
-    def combine_action(self, action):
-        # The solver polls the signal action once right after each update
-        # (and once per test batch): the first poll after a finish() is the
-        # point "after the local step" where AllReduceEA averages.
-        if getattr(self, "_updated", False):
-            self.after_update(self.net)
-        return super().combine_action(action)
-
-    def after_update(self, net):
-        """After each local update (called by combine_action, or by a solver
-        that calls it directly; once per update either way)."""
-        if not getattr(self, "_updated", False):
-            return
-        self._updated = False
-        if not self._started:
-            self.averager.start(net.param_data)
-            self._started = True
-        if self.active:
-            self.averager.after_update(net.param_data)

@@ -1,16 +1,18 @@
-"""Start-up of an MPI job: per-rank logging, abort on any rank's error (a
-normal exit on an error all ranks agreed on), and the broadcast of the
-initial weights and solver state from rank 0."""
+"""Start-up of a rank: the process settings its MPI needs, per-rank logging,
+abort on any rank's error (a normal exit on an error all ranks agreed on),
+its share of the host's cores, and its gradient strategy."""
 import logging
 import os
-import signal
 import sys
 import threading
 import traceback
 
-
 from ..common import AgreedError, CaffeError, init_logging, log
+from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 from .comm import get_world
+from .easgd import ElasticAveraging
+from .sync import BucketedAllreduce
+from .transports import check_comm_mode
 
 
 def init_rank_logging(world=None, level=logging.INFO, stream=None):
@@ -105,33 +107,6 @@ def run_guarded(fn, *args, world=None, debug=False, **kwargs):
         raise SystemExit(1)
 
 
-# ------------------------------------------------------------------ state sync
-def broadcast_weights(net, world=None, root=0):
-    """Make every rank's weights rank 0's (fillers, --weights, --snapshot)."""
-    world = world or get_world()
-    if world.size > 1:
-        world.bcast_array(net.param_data, root)
-
-
-def check_same_net(net, world=None):
-    """Every rank must have built the same parameter layout."""
-    world = world or get_world()
-    if world.size == 1:
-        return
-    sig = (len(net.layers), int(net.param_data.size), tuple(net.layer_names))
-    sigs = world.allgather(sig)
-    bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
-    if bad:
-        raise CaffeError("ranks %s built a different net than rank 0 (layers/params %s vs %s)"
-                         % (bad, sigs[bad[0]][:2], sigs[0][:2]))
-
-
-def per_rank_seed(seed, world=None):
-    """A seed for this rank's own random draws (dropout, shuffling)."""
-    world = world or get_world()
-    return (int(seed) + 7919 * world.rank) % (2 ** 32)
-
-
 def share_cores(world=None):
     """With several ranks on a host and no thread count given
     (OPENBLAS_NUM_THREADS / OMP_NUM_THREADS), each rank would run a thread
@@ -156,31 +131,9 @@ def share_cores(world=None):
     return count
 
 
-class StopFlag:
-    """SIGINT/SIGHUP arrive at ranks at different moments; a rank only records
-    them, and the ranks agree each iteration (reducer.any) so all stop at the
-    same one."""
-
-    def __init__(self):
-        self.sigint = False
-        self.sighup = False
-
-    def install(self):
-        def on_int(signum, frame):
-            self.sigint = True
-
-        def on_hup(signum, frame):
-            self.sighup = True
-        signal.signal(signal.SIGINT, on_int)
-        if hasattr(signal, "SIGHUP"):
-            signal.signal(signal.SIGHUP, on_hup)
-        return self
-
-
 # ------------------------------------------------------------ CLI entry seam
 def add_parallel_flags(define_flag):
     """The data-parallel flags, defined through the CLI's define_flag."""
-    from .reducer import DEFAULT_BUCKET_MB
     define_flag("comm", "auto", "Optional; gradient averaging: auto (CPU nets: shm when every rank is "
                 "on one host, else overlap; GPU nets: nccl when NCCL can join the ranks, else overlap), "
                 "shm (ranks of one host sum in shared memory, whichever waits doing the sums), "
@@ -195,14 +148,35 @@ def add_parallel_flags(define_flag):
     define_flag("alpha", 0.2, "Optional; EASGD moving rate.")
 
 
+def init_process(comm):
+    """What this process's environment must say before MPI starts, for
+    ``--comm=comm``: ``async`` asks MPICH for its progress thread
+    (MPIR_CVAR_ASYNC_PROGRESS, read only at MPI_Init).  An explicit start-up
+    step of the command (setup_parallel), not a side effect of get_world."""
+    if comm == "async":
+        os.environ["MPIR_CVAR_ASYNC_PROGRESS"] = "1"
+
+
+def make_gradient_sync(world, sync="sgd", comm="auto", bucket_mb=None, tau=10, alpha=0.2):
+    """The strategy for ``--sync`` (sgd: :class:`BucketedAllreduce` over
+    ``--comm``; easgd: :class:`ElasticAveraging`)."""
+    check_comm_mode(comm)
+    if sync == "sgd":
+        bucket = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
+        return BucketedAllreduce(world, comm, bucket, min(bucket, DEFAULT_FIRST_BUCKET_MB))
+    if sync == "easgd":
+        return ElasticAveraging(world, tau, alpha)
+    raise CaffeError("unknown --sync '%s' (sgd or easgd)" % sync)
+
+
 def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
                    level=logging.INFO):
-    """Everything a rank does before building its solver: the world (MPI only
-    under a launcher), per-rank logging, abort on errors, the reducer.
-    Returns (world, reducer); pass ``reducer=`` to the solver."""
-    from .reducer import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, COMM_MODES, Reducer
-    if comm not in COMM_MODES:
-        raise CaffeError("unknown --comm '%s' (one of %s)" % (comm, ", ".join(COMM_MODES)))
+    """Everything a rank does before building its solver: the process
+    settings for ``comm``, the world (MPI only under a launcher), per-rank
+    logging, abort on errors, its share of the cores, the gradient strategy.
+    Returns (world, sync); pass ``sync=`` to the solver."""
+    check_comm_mode(comm)
+    init_process(comm)
     world = get_world(comm)
     init_rank_logging(world, level)
     install_abort_handlers(world, debug)
@@ -210,15 +184,7 @@ def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, d
         log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
                  world.processor_name())
     share_cores(world)
-    if sync == "easgd":
-        from .easgd import EASGDReducer
-        reducer = EASGDReducer(world, tau, alpha)
-    elif sync == "sgd":
-        bucket = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
-        reducer = Reducer(world, comm, bucket, min(bucket, DEFAULT_FIRST_BUCKET_MB))
-    else:
-        raise CaffeError("unknown --sync '%s' (sgd or easgd)" % sync)
-    return world, reducer
+    return world, make_gradient_sync(world, sync, comm, bucket_mb, tau, alpha)
 
 
 def exit_code(rc, world=None):

@@ -11,10 +11,10 @@ from ..io import proto_io
 from ..io.proto_io import ProtoError
 from ..proto import caffe_pb2
 from . import updates
-from .solver import LocalReducer, Solver, SolverAction, read_solver
+from .solver import Solver, SolverAction, read_solver
 
 __all__ = ["get_solver", "Solver", "SGDSolver", "NesterovSolver", "AdaGradSolver",
-           "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "LocalReducer", "SolverAction",
+           "RMSPropSolver", "AdaDeltaSolver", "AdamSolver", "SolverAction",
            "SOLVER_TYPES", "read_solver"]
 
 

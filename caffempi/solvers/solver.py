@@ -13,135 +13,23 @@ from google.protobuf import text_format
 
 from .. import common
 from ..backend import default_array_module, to_numpy
-from ..common import AgreedError, CaffeError, TEST, TRAIN, log
+from ..common import AgreedError, CaffeError, SolverAction, TEST, TRAIN, log
 from ..io import proto_io
+from ..io.atomic import atomic_path
 from ..io.proto_io import ProtoError
 from ..memory import TRAINING_DEFAULT, check_mode
 from ..net import Net
+from ..parallel.comm import SingleWorld
+from ..parallel.sync import BucketedAllreduce
 from ..proto import caffe_pb2
 from . import lr_policy
 
 f32 = np.float32
 
 
-class SolverAction:
-    """What a signal asks of the solver (Caffe's SolverAction::Enum)."""
-    NONE = 0
-    STOP = 1
-    SNAPSHOT = 2
-
-    @staticmethod
-    def from_name(name):
-        try:
-            return {"none": SolverAction.NONE, "stop": SolverAction.STOP,
-                    "snapshot": SolverAction.SNAPSHOT}[name]
-        except KeyError:
-            raise CaffeError("invalid signal effect '%s' (stop, snapshot or none)" % name)
-
-
 def fmt(v):
     """A number as C++'s ostream prints a float (precision 6, %g)."""
     return "%.6g" % float(v)
-
-
-class LocalReducer:
-    """The single-process reducer: every hook is a no-op.
-
-    This is the whole interface the MPI layer implements (one object per
-    process, ``solver.reducer``).  Every method is called by every rank at the
-    same point of the loop, so each one may be a collective:
-
-    ``rank``, ``size``
-        This process's rank and the number of ranks.  Only rank 0 logs INFO
-        lines and writes snapshots (``solver.is_root``).
-    ``broadcast_params(net)``
-        Once, before the first iteration of the first ``step``: make every
-        rank's ``net.param_data`` equal to rank 0's.
-    ``start_iteration(net, iter_size)``
-        Once per iteration, after the diffs were zeroed, before the first of
-        the ``iter_size`` forward/backward passes (e.g. to reset bucket state).
-    ``before_pass(net, index, last)``
-        Before each forward/backward pass; ``last`` is True for the final pass
-        of the iteration, whose backward may start overlapped allreduces (via
-        ``net.add_backward_hook``).
-    ``finish(net)``
-        After the last pass; returns once ``net.param_diff`` holds the mean
-        over ranks of each rank's summed (not yet iter_size-normalized)
-        gradient.  Clipping, normalization, decay and the update follow.
-    ``diverged_ranks(info)`` -> list
-        Once per iteration, after ``finish`` and before the update: ``info``
-        is None when this rank's loss is finite, else a JSON-serialisable
-        description of it.  Returns ``[(rank, info)]`` of every rank whose
-        loss is not finite, the same list on every rank, so that all ranks
-        stop at the same iteration.
-    ``synchronize_model(net, history)``
-        Before every test pass and snapshot: make every rank's weights
-        (``net.param_data``) and solver history (the list of flat buffers)
-        the one model the job tests and saves (with gradient averaging they
-        are already equal; with elastic averaging they become the centre).
-    ``mean_scalars(values)`` -> list
-        Element-wise mean over ranks of a list of floats (display lines).
-    ``sum_scalars(values)`` -> list
-        Element-wise sum over ranks (test scores, loss and batch counts).
-    ``split_test_iters(n)`` -> int
-        How many of a test net's ``n`` batches this rank runs.
-    ``combine_action(action)`` -> SolverAction value
-        The action all ranks agree on (called once per iteration and once per
-        test batch; e.g. the maximum over ranks).
-    ``gather_object(obj)`` -> list
-        The per-rank JSON-serialisable objects, in rank order, on rank 0 (any
-        value on other ranks): the data position and random state of every
-        rank go into the snapshot, so a resume with the same number of ranks
-        is exact.
-    ``broadcast_object(obj)`` -> object
-        Rank 0's picklable ``obj`` on every rank.
-    ``broadcast_arrays(arrays)``
-        Make every rank's flat buffers (weights, history) rank 0's, in place.
-        With the two above, only rank 0 reads ``--weights`` and
-        ``--snapshot`` files, so they need to exist on its host alone.
-    """
-
-    rank = 0
-    size = 1
-
-    def broadcast_params(self, net):
-        pass
-
-    def start_iteration(self, net, iter_size):
-        pass
-
-    def before_pass(self, net, index, last):
-        pass
-
-    def finish(self, net):
-        pass
-
-    def diverged_ranks(self, info):
-        return [] if info is None else [(0, info)]
-
-    def synchronize_model(self, net, history):
-        pass
-
-    def mean_scalars(self, values):
-        return [float(v) for v in values]
-
-    def sum_scalars(self, values):
-        return [float(v) for v in values]
-
-    def split_test_iters(self, n):
-        return n
-
-    def combine_action(self, action):
-        return action
-
-    def gather_object(self, obj):
-        return [obj]
-
-    def broadcast_object(self, obj):
-        return obj
-
-    def broadcast_arrays(self, arrays):
-        pass
 
 
 # -------------------------------------------------------------- solver files
@@ -181,24 +69,23 @@ def _rng_state_from_json(obj):
 class Solver:
     """Base solver: Caffe's Solver + SGDSolver's shared parts.
 
-    ``Solver(param_or_path, xp=numpy, reducer=None, weights=None, source=None, memory="reuse")``
+    ``Solver(param_or_path, xp=numpy, sync=None, weights=None, source=None, memory="reuse")``
 
     pycaffe-like API: ``step(n)``, ``solve(resume_file=None)``, ``net``,
     ``test_nets``, ``iter``, ``snapshot()``, ``restore(path)``, ``test(i)``.
 
-    Seams for the MPI layer (layers and solvers never call MPI): ``reducer``
-    (see :class:`LocalReducer` for the full interface), ``is_root`` (rank 0
-    only logs and writes snapshots) and :meth:`test`, whose ``iterations``
-    argument (default ``reducer.split_test_iters(test_iter)``) is this rank's
-    share of a test pass; scores are combined with ``reducer.sum_scalars``.
-    ``set_action_function(fn)`` installs the signal poller (Caffe's
-    SetActionFunction).
+    Data parallelism (layers and solvers never call MPI) is ``sync``, a
+    :class:`~caffempi.parallel.sync.GradientSync` that the loop drives (its
+    docstring lists the calls), and its ``collectives`` for everything that
+    is not gradients; without one, the single-process strategy.  Only rank 0
+    logs and writes snapshots (``is_root``).  ``set_action_function(fn)``
+    installs the signal poller (Caffe's SetActionFunction).
     """
 
     type = None          # Caffe's solver type name
     num_history = 1      # flat history buffers per learnable parameter set
 
-    def __init__(self, param, xp=None, reducer=None, weights=None, source=None, memory=TRAINING_DEFAULT):
+    def __init__(self, param, xp=None, sync=None, weights=None, source=None, memory=TRAINING_DEFAULT):
         self.memory = check_mode(memory)
         if isinstance(param, caffe_pb2.SolverParameter):
             p = caffe_pb2.SolverParameter()
@@ -214,7 +101,8 @@ class Solver:
         self.param = param
         self.source = source
         self.xp = xp if xp is not None else default_array_module()
-        self.reducer = reducer if reducer is not None else LocalReducer()
+        self.sync = sync if sync is not None else BucketedAllreduce(SingleWorld())
+        self.collectives = self.sync.collectives
         self.action_function = None
         self.requested_early_exit = False
         self.iter = 0
@@ -230,10 +118,13 @@ class Solver:
                    text_format.MessageToString(param).rstrip())
         self._check_param()
         if param.random_seed >= 0:
-            common.set_random_seed(param.random_seed + self.reducer.rank)
+            common.set_random_seed(common.rank_seed(param.random_seed, self.collectives.rank))
         self._check_snapshot_write_permissions()
         self.net = self._init_train_net()
         self.test_nets = self._init_test_nets()
+        self.collectives.check_same_net(self.net, "train net")
+        for i, tn in enumerate(self.test_nets):
+            self.collectives.check_same_net(tn, "test net #%d" % i)
         names = list(param.weights)
         if weights:
             names += [weights] if isinstance(weights, str) else list(weights)
@@ -242,7 +133,7 @@ class Solver:
             self._info("Finetuning from %s", w)
             self._on_root(self._load_weights, w)
         if files:
-            self.reducer.broadcast_arrays([self.net.param_data])
+            self.collectives.broadcast_arrays([self.net.param_data])
         for tn in self.test_nets:
             tn.share_weights(self.net)
         self.test_scores = [[] for _ in self.test_nets]
@@ -252,13 +143,13 @@ class Solver:
     # ------------------------------------------------------------ properties
     @property
     def is_root(self):
-        return self.reducer.rank == 0
+        return self.collectives.is_root
 
     def _on_root(self, fn, *args):
         """fn(*args) on rank 0 alone, its result on every rank: files that
         only rank 0 reads (weights, snapshots) need not exist on the other
         hosts.  A CaffeError on rank 0 is raised on every rank together."""
-        if self.reducer.size == 1:
+        if self.collectives.size == 1:
             return fn(*args)
         outcome = None
         if self.is_root:
@@ -266,7 +157,7 @@ class Solver:
                 outcome = (True, fn(*args))
             except CaffeError as e:
                 outcome = (False, str(e))
-        ok, value = self.reducer.broadcast_object(outcome)
+        ok, value = self.collectives.broadcast_object(outcome)
         if not ok:
             raise AgreedError(value)
         return value
@@ -332,7 +223,7 @@ class Solver:
         try:
             return Net(net_param, phase=state.phase, level=state.level, stages=list(state.stage),
                        xp=self.xp, source_name=source,
-                       data_shard=(self.reducer.rank, self.reducer.size), memory=self.memory)
+                       data_shard=(self.collectives.rank, self.collectives.size), memory=self.memory)
         except ProtoError as e:
             raise CaffeError(str(e)) from None
 
@@ -511,7 +402,7 @@ class Solver:
 
     def _requested_action(self):
         action = self.action_function() if self.action_function else SolverAction.NONE
-        return self.reducer.combine_action(action)
+        return self.collectives.combine_action(action)
 
     def _update_smoothed_loss(self, loss):
         avg = self.param.average_loss
@@ -530,25 +421,25 @@ class Solver:
         mine = None
         if not math.isfinite(loss):
             mine = {"loss": fmt(loss), "layer": self.net.first_nonfinite_layer()}
-        bad = self.reducer.diverged_ranks(mine)
+        bad = self.collectives.diverged_ranks(mine)
         if not bad:
             return
         rank, info = bad[0]
         where = ("first non-finite output in layer '%s'" % info["layer"]) if info["layer"] else \
             "no layer output is non-finite (check the loss weights)"
-        if self.reducer.size == 1:
+        if self.collectives.size == 1:
             raise AgreedError("Iteration %d: training diverged, loss = %s (%s); stopped without "
                               "updating the weights or writing a snapshot" % (self.iter, info["loss"], where))
         raise AgreedError("Iteration %d: training diverged on rank%s %s (rank %d: loss = %s, %s); all %d "
                           "ranks stopped without updating the weights or writing a snapshot"
                           % (self.iter, "s" if len(bad) > 1 else "", ", ".join(str(r) for r, _ in bad),
-                             rank, info["loss"], where, self.reducer.size))
+                             rank, info["loss"], where, self.collectives.size))
 
     def _display(self, lapse):
         p, net = self.param, self.net
         outputs = net.output_values()
         flat = [float(v) for _, vals, _ in outputs for v in to_numpy(vals).ravel()]
-        combined = self.reducer.mean_scalars([self.smoothed_loss] + flat)
+        combined = self.collectives.mean_scalars([self.smoothed_loss] + flat)
         if not self.is_root:
             return
         per_s = (self.iter - self._iterations_last) / (lapse if lapse else 1.0)
@@ -571,7 +462,7 @@ class Solver:
 
     def step(self, iters):
         """Run ``iters`` training iterations (Caffe's Solver::Step)."""
-        p, net, reducer = self.param, self.net, self.reducer
+        p, net, sync = self.param, self.net, self.sync
         start_iter = self.iter
         stop_iter = self.iter + int(iters)
         if self._pending_window is not None:
@@ -580,7 +471,7 @@ class Solver:
         else:
             self._losses, self.smoothed_loss, self._loss_base = [], 0.0, start_iter
         if not self._params_synced:
-            reducer.broadcast_params(net)
+            sync.on_start(net)
             self._params_synced = True
         timer = time.time()
         self._iterations_last = self.iter
@@ -595,13 +486,13 @@ class Solver:
                     break
             display = p.display and self.iter % p.display == 0
             loss = 0.0
-            reducer.start_iteration(net, iter_size)
+            sync.start_iteration(net, iter_size)
             for i in range(iter_size):
-                reducer.before_pass(net, i, i == iter_size - 1)
+                sync.before_pass(net, i, i == iter_size - 1)
                 loss += net.forward_backward()
             loss /= iter_size
             # finish first: no allreduce is left pending if the ranks stop here
-            reducer.finish(net)
+            sync.finish(net)
             self._check_finite_loss(loss)
             self._update_smoothed_loss(loss)
             if display:
@@ -610,6 +501,7 @@ class Solver:
                 timer = now
                 self._iterations_last = self.iter
             self.apply_update()
+            sync.after_update(net)
             self.iter += 1
             request = self._requested_action()
             if (p.snapshot and self.iter % p.snapshot == 0) or request == SolverAction.SNAPSHOT:
@@ -636,7 +528,7 @@ class Solver:
         if p.display and self.iter % p.display == 0:
             loss = self.net.forward_range()
             self._update_smoothed_loss(loss)
-            smoothed = self.reducer.mean_scalars([self.smoothed_loss])[0]
+            smoothed = self.collectives.mean_scalars([self.smoothed_loss])[0]
             self._info("Iteration %d, loss = %s", self.iter, fmt(smoothed))
         if p.test_interval and self.iter % p.test_interval == 0:
             self.test_all()
@@ -653,15 +545,15 @@ class Solver:
         """One test pass of test net ``test_net_id`` (Caffe's Solver::Test).
 
         ``iterations`` is this rank's number of batches (default
-        ``reducer.split_test_iters(test_iter)``); the scores, loss and batch
-        counts of all ranks are summed with ``reducer.sum_scalars`` and the
-        means logged by rank 0.  Returns the mean scores."""
+        ``collectives.split_test_iters(test_iter)``); the scores, loss and
+        batch counts of all ranks are summed and the means logged by rank 0.
+        Returns the mean scores."""
         p = self.param
         self._info("Iteration %d, Testing net (#%d)", self.iter, test_net_id)
-        self.reducer.synchronize_model(self.net, self.history)
+        self.sync.synchronize_model(self.net, self.history)
         test_net = self.test_nets[test_net_id]
         total = p.test_iter[test_net_id]
-        n = self.reducer.split_test_iters(total) if iterations is None else int(iterations)
+        n = self.collectives.split_test_iters(total) if iterations is None else int(iterations)
         outputs = test_net.output_values()
         sizes = [int(np.size(vals)) for _, vals, _ in outputs]
         scores = [0.0] * sum(sizes)
@@ -694,7 +586,7 @@ class Solver:
         if self.requested_early_exit:
             self._info("Test interrupted.")
             return None
-        sums = self.reducer.sum_scalars(scores + [loss, float(done)])
+        sums = self.collectives.sum_scalars(scores + [loss, float(done)])
         count = sums[-1] or 1.0
         if p.test_compute_loss:
             self._info("Test loss: %s", fmt(sums[-2] / count))
@@ -732,14 +624,14 @@ class Solver:
                 "train_data": self.net.data_state(),
                 "test_data": [tn.data_state() for tn in self.test_nets],
                 "loss_window": window}
-        ranks = self.reducer.gather_object(mine)
+        ranks = self.collectives.gather_object(mine)
         return {"version": 1, "ranks": ranks, "loss_window": window}
 
     def snapshot(self):
         """Write <prefix>_iter_<N>.caffemodel (or .caffemodel.h5) and the
         matching .solverstate atomically (rank 0); returns the model path."""
         p = self.param
-        self.reducer.synchronize_model(self.net, self.history)
+        self.sync.synchronize_model(self.net, self.history)
         self._check_finite_weights()
         extra = self._extra_state()
         if not self.is_root:
@@ -750,7 +642,7 @@ class Solver:
             if p.snapshot_format == caffe_pb2.SolverParameter.HDF5:
                 model = self._snapshot_filename(".caffemodel.h5")
                 self._info("Snapshotting to HDF5 file %s", model)
-                self._save_hdf5_atomic(model)
+                self.net.save_hdf5(model, p.snapshot_diff)
                 self._snapshot_state_hdf5(model, extra)
             else:
                 model = self._snapshot_filename(".caffemodel")
@@ -781,30 +673,18 @@ class Solver:
         self._info("Snapshotting solver state to binary proto file %s", path)
         proto_io.write_binary_proto_atomic(path, state)
 
-    def _save_hdf5_atomic(self, model):
-        self.net.save_hdf5(model, self.param.snapshot_diff)
-
     def _snapshot_state_hdf5(self, model, extra):
         import h5py
         path = self._snapshot_filename(".solverstate.h5")
         self._info("Snapshotting solver state to HDF5 file %s", path)
-        tmp = "%s.%d.tmp" % (path, os.getpid())
-        try:
-            with h5py.File(tmp, "w") as f:
-                f.create_dataset("iter", data=np.array([self.iter], np.int32))
-                f.create_dataset("learned_net", data=np.bytes_(model.encode("utf-8")))
-                f.create_dataset("current_step", data=np.array([self.current_step], np.int32))
-                g = f.create_group("history")
-                for k, (_, _, arr) in enumerate(self._history_arrays()):
-                    g.create_dataset(str(k), data=arr)
-                f.attrs["caffempi_state"] = json.dumps(extra)
-                f.flush()
-            with open(tmp, "rb") as fh:
-                os.fsync(fh.fileno())
-            os.replace(tmp, path)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+        with atomic_path(path) as tmp, h5py.File(tmp, "w") as f:
+            f.create_dataset("iter", data=np.array([self.iter], np.int32))
+            f.create_dataset("learned_net", data=np.bytes_(model.encode("utf-8")))
+            f.create_dataset("current_step", data=np.array([self.current_step], np.int32))
+            g = f.create_group("history")
+            for k, (_, _, arr) in enumerate(self._history_arrays()):
+                g.create_dataset(str(k), data=arr)
+            f.attrs["caffempi_state"] = json.dumps(extra)
 
     # -------------------------------------------------------------- restore
     def restore(self, path):
@@ -814,7 +694,7 @@ class Solver:
         Rank 0 reads the files and sends the other ranks their part."""
         path = os.fspath(path)
         it, step, extra = self._on_root(self._load_state, path)
-        self.reducer.broadcast_arrays([self.net.param_data] + list(self.history))
+        self.collectives.broadcast_arrays([self.net.param_data] + list(self.history))
         self.iter = it
         self.current_step = step
         if extra:
@@ -903,11 +783,11 @@ class Solver:
                                         int(lw["base"]))
         set_window(extra.get("loss_window"))
         ranks = extra.get("ranks") or []
-        if len(ranks) != self.reducer.size:
+        if len(ranks) != self.collectives.size:
             self._warn("%s was written by %d process(es), this run has %d: data position and random "
-                       "state not restored", path, len(ranks), self.reducer.size)
+                       "state not restored", path, len(ranks), self.collectives.size)
             return
-        mine = ranks[self.reducer.rank]
+        mine = ranks[self.collectives.rank]
         set_window(mine.get("loss_window"))
         if mine.get("rng"):
             common.set_rng_state(_rng_state_from_json(mine["rng"]))

@@ -8,7 +8,7 @@ allreduce: one allreduce of n bytes on N ranks takes
 
 (reduce-scatter then allgather; alpha the per-message latency, beta the
 time per byte, reduction included).  Overlap: buckets of whole layers in
-reverse layer order (the reducer's rule) start when their lowest layer's
+reverse layer order (the gradient sync's rule) start when their lowest layer's
 backward ends and go through the network one after another; what is left
 after backward is exposed.  Blocking: one allreduce of everything after
 backward.  Stragglers: every iteration waits for the slowest of the N
@@ -50,9 +50,9 @@ def ring_time(nbytes, n, alpha, beta):
 
 def buckets_from_layers(layers, bucket_mb, first_bucket_mb=1.0, itemsize=4):
     """(ready time after backward start (s), bytes) per bucket, by the
-    reducer's rule (caffempi.parallel.reducer.group_buckets).  A bucket is
+    gradient sync's rule (caffempi.parallel.buckets.group_buckets).  A bucket is
     ready after its lowest layer's backward."""
-    from ..parallel.reducer import group_buckets
+    from ..parallel.buckets import group_buckets
     t, params = 0.0, []
     for L in sorted(layers, key=lambda L: -L["index"]):
         t += L["backward_ms"] / 1e3

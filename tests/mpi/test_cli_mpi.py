@@ -115,3 +115,29 @@ def test_cli_sigint_to_mpiexec_snapshots_once_and_stops(tmp_path):
     assert "Optimization stopped early" in out
     snaps = list(tmp_path.glob("int_iter_*.caffemodel"))
     assert len(snaps) == 1, out
+
+
+@needs_mpi
+@needs_cli
+def test_ranks_that_built_different_nets_stop_at_start_up(tmp_path):
+    """A stale prototxt on one host: rank 1 reads a solver whose ip2 has
+    another width.  Every rank stops before training, with one line from
+    rank 0 naming the layer, and a non-zero exit (no hang, no traceback)."""
+    import subprocess
+    from .mpirun import REPO, env, mpiexec_path
+    good = write_solver(tmp_path, 12, 2, prefix="good")
+    stale = write_solver(tmp_path, 12, 2, prefix="stale")
+    stale.write_text(stale.read_text().replace("num_output: 16", "num_output: 12"))
+    rank = [sys.executable] + CLI + ["train"]
+    cmd = [mpiexec_path(), "-n", "1"] + rank + ["--solver=%s" % good, ":", "-n", "1"] + rank + ["--solver=%s" % stale]
+    t = time.time()
+    p = subprocess.run(cmd, cwd=REPO, env=env(), capture_output=True, text=True, timeout=60)
+    assert p.returncode != 0, p.stderr
+    assert time.time() - t < 60
+    errors = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert len(errors) == 1, p.stderr
+    assert "rank 1 built a different train net than rank 0" in errors[0]
+    assert "'ip2' (InnerProduct, param 16x20, param 16)" in errors[0], errors[0]
+    assert "'ip2' (InnerProduct, param 12x20, param 12)" in errors[0], errors[0]
+    assert "Traceback" not in p.stderr
+    assert "Iteration 0" not in p.stderr          # stopped before training

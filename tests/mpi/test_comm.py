@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from caffempi.parallel.comm import SingleWorld, launched_by_mpi, mapped_files
-from caffempi.parallel.reducer import Reducer, make_buckets
+from caffempi.parallel.buckets import make_buckets
+from caffempi.parallel.sync import BucketedAllreduce
 
 from .mpirun import REPO, WORKERS, env, mpirun, needs_mpi
 
@@ -68,9 +69,10 @@ def test_buckets_are_whole_layers_in_reverse_order():
     assert two[0][2] == net.param_diff.size and two[1][1] == 0 and two[0][1] == two[1][2]
 
 
-def test_single_process_reducer_is_identity():
+def test_single_process_sync_is_identity():
     net = _net()
-    red = Reducer(SingleWorld())
+    red = BucketedAllreduce(SingleWorld())
+    col = red.collectives
     red.attach(net)
     net.blobs["data"].data[...] = np.random.RandomState(0).randn(*net.blobs["data"].shape)
     net.blobs["label"].data[...] = [0, 1, 2, 3]
@@ -79,12 +81,12 @@ def test_single_process_reducer_is_identity():
     g = net.param_diff.copy()
     red.finish(net)
     np.testing.assert_array_equal(net.param_diff, g)
-    assert red.mean_scalars([1.5, 2.0]) == [1.5, 2.0]
-    assert red.split_test_iters(7) == 7
-    assert red.combine_action(1) == 1
-    assert red.gather_object({"a": 1}) == [{"a": 1}]
-    assert red.diverged_ranks(None) == []
-    assert red.diverged_ranks({"loss": "nan"}) == [(0, {"loss": "nan"})]
+    assert col.mean_scalars([1.5, 2.0]) == [1.5, 2.0]
+    assert col.split_test_iters(7) == 7
+    assert col.combine_action(1) == 1
+    assert col.gather_object({"a": 1}) == [{"a": 1}]
+    assert col.diverged_ranks(None) == []
+    assert col.diverged_ranks({"loss": "nan"}) == [(0, {"loss": "nan"})]
 
 
 @needs_mpi
@@ -131,9 +133,9 @@ def test_shm_falls_back_to_mpi_when_dev_shm_has_no_room():
 
 
 def test_free_bytes_of_a_directory(tmp_path):
-    from caffempi.parallel.shm_transport import _free_bytes
-    assert _free_bytes(str(tmp_path)) > 0
-    assert _free_bytes(str(tmp_path / "absent")) is None
+    from caffempi.parallel.transports.shm import free_bytes
+    assert free_bytes(str(tmp_path)) > 0
+    assert free_bytes(str(tmp_path / "absent")) is None
 
 
 @needs_mpi
@@ -164,3 +166,46 @@ def test_mapped_files_lists_named_files_with_the_prefix(tmp_path):
         "7f0000500000-7f0000600000 r-xp 00000000 08:01 99 /usr/lib/libc.so.6\n")
     assert mapped_files("/dev/shm/mpich_shm_", str(maps)) == ["/dev/shm/mpich_shm_ab12_0"]
     assert mapped_files("/dev/shm/mpich_shm_", str(tmp_path / "absent")) == []
+
+
+class _TwoRankWorld(SingleWorld):
+    """Rank 0 of two whose rank 1 reports ``other`` in every allgather."""
+    size = 2
+
+    def __init__(self, other):
+        self.other = other
+
+    def allgather(self, obj):
+        return [obj, self.other]
+
+
+def test_check_same_net_names_the_first_differing_layer():
+    from caffempi.common import AgreedError
+    from caffempi.parallel.collectives import Collectives
+    net = _net()
+    mine = [(n, lay.type, tuple(tuple(b.shape) for b in lay.blobs)) for n, lay in zip(net.layer_names, net.layers)]
+    Collectives(_TwoRankWorld(mine)).check_same_net(net)          # the same net: nothing happens
+    wider = [(n, t, ((8, 108), (8,)) if n == "ip2" else s) for n, t, s in mine]
+    with pytest.raises(AgreedError, match=r"rank 1 built a different net than rank 0 .*layer 4 is 'ip2' "
+                                          r"\(InnerProduct, param 16x20, param 16\) on rank 0 and 'ip2' "
+                                          r"\(InnerProduct, param 8x108, param 8\) on rank 1"):
+        Collectives(_TwoRankWorld(wider)).check_same_net(net)
+    with pytest.raises(AgreedError, match=r"layer 9, 'acc' \(Accuracy\), is missing on rank 1 \(9 layers against 10\)"):
+        Collectives(_TwoRankWorld(mine[:-1])).check_same_net(net)
+    with pytest.raises(AgreedError, match=r"rank 1 has an extra layer 10, 'x' \(ReLU\)"):
+        Collectives(_TwoRankWorld(mine + [("x", "ReLU", ())])).check_same_net(net)
+
+
+def test_strategies_and_transports_declare_their_interface():
+    from caffempi.parallel.sync import GradientSync
+    from caffempi.parallel.transports import make_transport
+    from caffempi.parallel.transports.base import LocalTransport, Transport
+    with pytest.raises(TypeError):
+        GradientSync(SingleWorld())               # attach and finish are abstract
+    with pytest.raises(TypeError):
+        Transport()
+    t = make_transport(SingleWorld(), "overlap")
+    assert isinstance(t, LocalTransport) and t.overlaps_backward
+    from caffempi.common import CaffeError
+    with pytest.raises(CaffeError, match="unknown --comm 'fast'"):
+        make_transport(SingleWorld(), "fast")

@@ -13,8 +13,9 @@ from caffempi.backend import to_numpy  # noqa: E402
 from caffempi.common import set_random_seed  # noqa: E402
 from caffempi.net import Net  # noqa: E402
 from caffempi.parallel.comm import get_world  # noqa: E402
-from caffempi.parallel.launch import broadcast_weights, install_abort_handlers  # noqa: E402
-from caffempi.parallel.reducer import Reducer  # noqa: E402
+from caffempi.parallel.collectives import Collectives
+from caffempi.parallel.launch import install_abort_handlers  # noqa: E402
+from caffempi.parallel.sync import BucketedAllreduce  # noqa: E402
 
 
 def main(out, comm="overlap", global_b=12, steps=4, iter_size=1, bucket_mb="0.001", backend="cpu"):
@@ -28,8 +29,8 @@ def main(out, comm="overlap", global_b=12, steps=4, iter_size=1, bucket_mb="0.00
     # different seeds per rank: the broadcast must make the weights equal
     set_random_seed(1 + 100 * world.rank)
     net = Net(net_param(b), data_shard=(world.rank, world.size), xp=xp)
-    broadcast_weights(net, world)
-    red = Reducer(world, comm=comm, bucket_mb=float(bucket_mb), first_bucket_mb=float(bucket_mb))
+    Collectives(world).broadcast_arrays([net.param_data])
+    red = BucketedAllreduce(world, comm=comm, bucket_mb=float(bucket_mb), first_bucket_mb=float(bucket_mb))
     red.attach(net, iter_size)
     lr, mom = 0.1, 0.9
     hist = xp.zeros_like(net.param_data)
@@ -48,14 +49,14 @@ def main(out, comm="overlap", global_b=12, steps=4, iter_size=1, bucket_mb="0.00
             acc += float(net.blobs["accuracy"].data.reshape(-1)[0])
         red.finish(net)
         net.param_diff *= np.float32(1.0 / iter_size)
-        loss, acc = red.mean_scalars([loss / iter_size, acc / iter_size])
+        loss, acc = red.collectives.mean_scalars([loss / iter_size, acc / iter_size])
         rec["loss"].append(loss)
         rec["acc"].append(acc)
         rec["grad%d" % it] = to_numpy(net.param_diff).copy()
         hist[...] = mom * hist + lr * net.param_diff
         net.param_data -= hist
         rec["w%d" % it] = to_numpy(net.param_data).copy()
-    assert red.check_in_sync(net), "weights differ between ranks"
+    assert red.collectives.check_in_sync(net), "weights differ between ranks"
     if world.rank == 0:
         np.savez(out, **{k: np.asarray(v) for k, v in rec.items()})
     red.close()

@@ -10,8 +10,9 @@ from google.protobuf import text_format
 from caffempi.backend import cpu, threads
 from caffempi.net import Net
 from caffempi.parallel.comm import get_world
-from caffempi.parallel.launch import broadcast_weights, install_abort_handlers
-from caffempi.parallel.reducer import Reducer
+from caffempi.parallel.collectives import Collectives
+from caffempi.parallel.launch import install_abort_handlers
+from caffempi.parallel.sync import BucketedAllreduce
 from caffempi.proto import caffe_pb2
 
 NET = """
@@ -32,8 +33,8 @@ def main():
     param = caffe_pb2.NetParameter()
     text_format.Merge(NET, param)
     net = Net(param)
-    broadcast_weights(net, world)
-    red = Reducer(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6)
+    Collectives(world).broadcast_arrays([net.param_data])
+    red = BucketedAllreduce(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6)
     red.attach(net)
     transport = red.transport
     polls = {"conv": 0}

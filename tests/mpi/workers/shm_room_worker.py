@@ -4,17 +4,16 @@ and the sums are right (the window's pages would otherwise kill the first
 rank that touched one past the tmpfs's size, with SIGBUS)."""
 import numpy as np
 
-from caffempi.parallel import shm_transport
+from caffempi.parallel.transports import make_transport, shm
 from caffempi.parallel.comm import get_world
 from caffempi.parallel.launch import init_rank_logging, install_abort_handlers
-from caffempi.parallel.reducer import make_transport
 
 
 def main():
     world = get_world("overlap")
     install_abort_handlers(world)
     init_rank_logging(world)
-    shm_transport._free_bytes = lambda path: 10 * 2 ** 20
+    shm.free_bytes = lambda path: 10 * 2 ** 20
     t = make_transport(world, "auto", np, 20 * 2 ** 20)
     assert t.name == "mpi-host-overlap", t.name
     b = np.full(1000, world.rank + 1.0)
@@ -22,7 +21,7 @@ def main():
     assert np.array_equal(b, np.full(1000, world.size * (world.size + 1) / 2.0))
     t.close()
     # with room, the same call sums in shared memory
-    shm_transport._free_bytes = lambda path: 200 * 2 ** 20
+    shm.free_bytes = lambda path: 200 * 2 ** 20
     t = make_transport(world, "auto", np, 20 * 2 ** 20)
     assert t.name == "shm", t.name
     t.close()

@@ -9,7 +9,7 @@ import numpy as np
 
 from caffempi.parallel.comm import get_world
 from caffempi.parallel.launch import install_abort_handlers
-from caffempi.parallel.reducer import make_transport
+from caffempi.parallel.transports import make_transport
 
 
 def main():

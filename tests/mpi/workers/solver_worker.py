@@ -1,5 +1,5 @@
 """Train a small HDF5Data net with the real solver, as `caffempi train`
-does under mpiexec: setup_parallel, the solver with our reducer, solve.
+does under mpiexec: setup_parallel, the solver with its gradient sync, solve.
 
 usage: solver_worker.py DIR GLOBAL_BATCH MAX_ITER [key=value ...]
 keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
@@ -64,7 +64,7 @@ layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: 
 def main():
     d, global_b, max_iter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kw = dict(a.split("=", 1) for a in sys.argv[4:])
-    world, reducer = setup_parallel(comm=kw.get("comm", "overlap"), sync=kw.get("sync", "sgd"),
+    world, sync = setup_parallel(comm=kw.get("comm", "overlap"), sync=kw.get("sync", "sgd"),
                                     tau=int(kw.get("tau", 10)), alpha=float(kw.get("alpha", 0.2)),
                                     bucket_mb=float(kw.get("bucket_mb", 0.001)))
 
@@ -84,7 +84,7 @@ def main():
         p.snapshot_after_train = kw.get("after_train", "1") != "0"
         if kw.get("other_cwd") and world.rank:
             os.chdir(kw["other_cwd"])
-        solver = get_solver(p, reducer=reducer, weights=kw.get("weights"))
+        solver = get_solver(p, sync=sync, weights=kw.get("weights"))
         fail_rank = int(kw.get("fail_rank", -1))
         fail_iter = int(kw.get("fail_iter", -1))
         kind = kw.get("fail_kind", "raise")
@@ -114,14 +114,14 @@ def main():
             solver.solve()
         finally:
             if kw.get("each"):
-                averager = getattr(reducer, "averager", None)
+                averager = getattr(sync, "averager", None)
                 np.savez(kw["each"] % world.rank, w=solver.net.param_data, iter=solver.iter,
                          center=averager.center if averager else np.zeros(0))
         if world.rank == 0 and kw.get("out"):
             np.savez(kw["out"], w=solver.net.param_data, iter=solver.iter,
                      test=np.asarray(solver.test_scores[0]))
         if kw.get("sync", "sgd") == "sgd":
-            assert reducer.check_in_sync(solver.net), "weights differ between ranks"
+            assert sync.collectives.check_in_sync(solver.net), "weights differ between ranks"
         return 0
     rc = run_guarded(run, world=world)
     return exit_code(rc, world)

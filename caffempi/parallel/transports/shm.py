@@ -1,16 +1,12 @@
-"""Sum over the ranks of one host through shared memory, done by whichever
-rank is idle: ``--comm=shm``, the default for CPU nets when every rank is
-on one host.  Interface as in reducer.py.
+"""``--comm=shm``: the ranks of one host sum in shared memory, and the rank
+that is waiting does the sums (the default for CPU nets when every rank is
+on one host).
 
-On one host, moving the bytes is CPU work for the ranks themselves, and
-with MPI's allreduce each rank does its share of it on its own critical
-path: interleaved with steps that exchange nothing, MPICH's allreduce of
-LeNet's 1.7 MB cost 0.4-1.1 ms per step on 2 ranks here, while a copy of
-those bytes costs 0.05 ms.  Ranks never finish backward together (their
-steps jitter by a millisecond or more), so the first to finish has time to
-spare while it waits for the others.  Here that rank does the sums:
+On one host moving the bytes is the ranks' own CPU work; with MPI's
+allreduce each rank does its share on its critical path, while ranks never
+finish backward together, so the first one done has time to spare: it sums.
 
-  every rank has a segment of an MPI-3 shared-memory window; the host has
+  Every rank has a segment of an MPI-3 shared-memory window; the host has
   one result area.  A bucket is copied into the rank's segment and flagged
   ready (the round's number in the rank's ready flag for that bucket).
   Waiting for a bucket, a rank that sees every rank's ready flag sums the
@@ -19,29 +15,27 @@ spare while it waits for the others.  Here that rank does the sums:
   ranks may sum the same chunk at once, harmlessly) and flags them.  When
   all of the bucket's chunks are done, it copies the result out.
 
-A rank still computing its backward pays only the copies in and out, and
-no MPI message is sent in a step.  A round is one iteration's buckets; a
-segment and the result area are written again only once every rank has
-flagged that it copied the last round out (a flag each, checked when the
-next round starts, by when it is long set).
+A round is one iteration's buckets; a segment and the result area are
+written again only once every rank has flagged that it copied the last
+round out.  Memory ordering: ``Win.Sync`` (MPI_Win_sync, a memory barrier)
+between writing data and raising its flag, and between seeing a flag and
+reading the data.  No MPI message is sent in a step.
 
-Memory ordering: ``Win.Sync`` (MPI_Win_sync, a memory barrier) between
-writing data and raising its flag, and between seeing a flag and reading
-the data.
+History and measurements: docs/design/parallel.md.
 """
 import os
 
 import numpy as np
 
-from ..common import CaffeError, log
-from .reducer import _yield_core
+from ...common import CaffeError, log
+from .base import Transport, yield_core
 
 CHUNK_BYTES = 1 << 16          # a sum's unit of work: 64 KB, a few microseconds
 MAX_BUCKETS = 4096             # buckets in one iteration (flags reserved for)
 SHM_DIR = "/dev/shm"           # where MPICH keeps the window's memory (a tmpfs)
 
 
-def make(world, capacity_bytes, asked):
+def make_shm_transport(world, capacity_bytes, asked):
     """The shm transport when every rank is on this host and its shared
     memory has room for the window, else None (then the caller uses MPI).
     Collective."""
@@ -53,7 +47,7 @@ def make(world, capacity_bytes, asked):
         # container's /dev/shm is 64 MB unless docker run --shm-size).
         # Segments rounded to 64 KB, and 1 MB to spare, for MPICH's alignment.
         need = sum(-(-_layout(capacity_bytes, q)[3] // 65536) * 65536 for q in range(host.size)) + 2 ** 20
-        free = host.bcast(_free_bytes(SHM_DIR) if host.rank == 0 else None, 0)
+        free = host.bcast(free_bytes(SHM_DIR) if host.rank == 0 else None, 0)
         if free is not None and free < need:
             reason = ("%s has %.1f MB free and the sums need %.1f MB (give it more, e.g. docker run "
                       "--shm-size)" % (SHM_DIR, free / 2 ** 20, need / 2 ** 20))
@@ -71,7 +65,7 @@ def make(world, capacity_bytes, asked):
     return None
 
 
-def _free_bytes(path):
+def free_bytes(path):
     """Bytes free to an unprivileged writer under path, or None if unknown."""
     try:
         st = os.statvfs(path)
@@ -98,8 +92,7 @@ class _Bucket:
         self.copied = False
 
 
-class SharedMemoryTransport:
-    device_buffers = False
+class SharedMemoryTransport(Transport):
     name = "shm"
 
     def __init__(self, world, host, capacity_bytes):
@@ -156,13 +149,10 @@ class SharedMemoryTransport:
         self._buckets.append(b)
         return b
 
-    def poll(self):
-        return True             # nothing progresses inside MPI
-
     def wait(self, b):
         if not b.copied:
             while not all(r[b.slot] == self.round for r in self.ready):
-                _yield_core()
+                yield_core()
             self.win.Sync()
             self._sum(b)
             self.win.Sync()
@@ -177,11 +167,6 @@ class SharedMemoryTransport:
             self.round += 1
             self._buckets = []
             self._used = self._chunks_used = self._copied = 0
-
-    def allreduce(self, buf):
-        b = self.allreduce_start(buf)
-        self.backward_end()
-        self.wait(b)
 
     def backward_end(self):
         self._closing = True
@@ -232,5 +217,5 @@ class SharedMemoryTransport:
         has copied it out."""
         last = self.round - 1
         while not all(c[0] >= last for c in self.copied_round):
-            _yield_core()
+            yield_core()
         self.win.Sync()

@@ -1,0 +1,147 @@
+"""Collectives that are not gradients: what the solver agrees on with the
+other ranks besides the gradient sums (displayed losses, test scores,
+signal actions, divergence, test splitting, rank 0's files and weights).
+
+``Collectives(world)`` works over any :class:`~caffempi.parallel.comm.World`;
+over a ``SingleWorld`` it is the single-process version (every call returns
+its input).  Every rank calls each method at the same point of its loop, so
+each one may be a collective.
+"""
+import numpy as np
+
+from ..backend import to_numpy
+from ..common import AgreedError, SolverAction, log
+
+
+class Collectives:
+    def __init__(self, world):
+        self.world = world
+        self.rank = world.rank
+        self.size = world.size
+        self.is_root = world.rank == 0
+        self._warned_test = set()
+
+    @property
+    def active(self):
+        return self.size > 1
+
+    # ---------------------------------------------------------------- scalars
+    def mean_scalars(self, values):
+        """Element-wise mean over ranks of a list of floats (the loss of the
+        global batch on display lines)."""
+        values = [float(v) for v in values]
+        if not self.active or not values:
+            return values
+        return [float(v) / self.size for v in self.world.allreduce_scalars(values)]
+
+    def sum_scalars(self, values):
+        """Element-wise sum over ranks (test scores, losses, batch counts)."""
+        values = [float(v) for v in values]
+        if not self.active or not values:
+            return values
+        return [float(v) for v in self.world.allreduce_scalars(values)]
+
+    def any(self, flag):
+        """True on every rank if ``flag`` is true on any rank."""
+        return self.world.any(flag) if self.active else bool(flag)
+
+    def diverged_ranks(self, info):
+        """[(rank, info)] of the ranks whose ``info`` is not None (their loss
+        is not finite; info is a picklable description), the same list on
+        every rank, so that all stop at the same iteration: one scalar
+        allreduce per iteration, the descriptions gathered only when some
+        rank has one."""
+        if not self.any(info is not None):
+            return []
+        return [(r, i) for r, i in enumerate(self.world.allgather(info)) if i is not None]
+
+    def combine_action(self, action):
+        """The signal action every rank takes (SIGINT/SIGHUP reach the ranks
+        at different moments): STOP if any rank asks to stop, else SNAPSHOT if
+        any asks for one, else NONE."""
+        if not self.active:
+            return action
+        stop, snap = self.world.allreduce_scalars([1.0 if action == SolverAction.STOP else 0.0,
+                                                   1.0 if action == SolverAction.SNAPSHOT else 0.0], "max")
+        return SolverAction.STOP if stop else (SolverAction.SNAPSHOT if snap else SolverAction.NONE)
+
+    # ---------------------------------------------------------------- testing
+    def split_test_iters(self, test_iter):
+        """Test iterations this rank runs: ceil(test_iter / N) on every rank.
+        With the data sharding (record i to rank i mod N) and N dividing
+        test_iter, the ranks together test exactly the records one process
+        would.  Otherwise every rank still runs the same count (the solver
+        polls signal actions collectively per test batch, so unequal counts
+        would mismatch collectives): N*ceil(test_iter/N) batches are tested,
+        and rank 0 warns once."""
+        n = -(-int(test_iter) // self.size)
+        if self.active and int(test_iter) % self.size and self.is_root \
+                and test_iter not in self._warned_test:
+            self._warned_test.add(test_iter)
+            log.warning("test_iter %d is not a multiple of the %d ranks: testing %d batches "
+                        "(%d per rank)", test_iter, self.size, n * self.size, n)
+        return n
+
+    # ---------------------------------------------------------- objects, arrays
+    def gather_object(self, obj):
+        """The ranks' picklable objects in rank order on rank 0 (None on the
+        others): every rank's data position and random state go into a
+        snapshot, so that a resume on as many ranks is exact."""
+        return self.world.gather(obj) if self.active else [obj]
+
+    def broadcast_object(self, obj):
+        """Rank 0's picklable ``obj`` on every rank."""
+        return self.world.bcast(obj, 0) if self.active else obj
+
+    def broadcast_arrays(self, arrays):
+        """Make every rank's arrays (weights, solver history) rank 0's, in
+        place.  The one weight broadcast: initial weights, finetuning and
+        resuming all go through it, so only rank 0 reads weight files."""
+        if self.active:
+            for a in arrays:
+                self.world.bcast_array(a, 0)
+
+    def check_same_net(self, net, what="net"):
+        """Stop every rank now, with one line naming the first layer that
+        differs, unless every rank built the same layers and parameter
+        shapes as rank 0 (a stale prototxt on one host would otherwise
+        surface as a mismatched collective, or silently wrong sums), as
+        DDP verifies its model across ranks at construction."""
+        if not self.active:
+            return
+        mine = [(name, layer.type, tuple(tuple(b.shape) for b in layer.blobs))
+                for name, layer in zip(net.layer_names, net.layers)]
+        everyone = self.world.allgather(mine)
+        ref = everyone[0]
+        for rank, layers in enumerate(everyone[1:], 1):
+            if layers == ref:
+                continue
+            i = next((k for k, (a, b) in enumerate(zip(ref, layers)) if a != b), min(len(ref), len(layers)))
+            raise AgreedError("rank %d built a different %s than rank 0 (a different prototxt?): %s"
+                              % (rank, what, _first_difference(ref, layers, i, rank)))
+
+    def check_in_sync(self, net):
+        """True when every rank holds the same weights (a debugging aid and
+        the tests' check)."""
+        if not self.active:
+            return True
+        w = to_numpy(net.param_data).astype(np.float64)
+        h = float(np.sum(w * (1 + np.arange(w.size) % 7)))
+        lo = self.world.allreduce_scalars([h], "min")[0]
+        hi = self.world.allreduce_scalars([h], "max")[0]
+        return lo == hi
+
+
+def _describe(layer):
+    name, type_, shapes = layer
+    return "'%s' (%s%s)" % (name, type_, "".join(", param " + "x".join(map(str, s)) for s in shapes))
+
+
+def _first_difference(ref, other, i, rank):
+    if i >= len(other):
+        return "layer %d, %s, is missing on rank %d (%d layers against %d)" % (
+            i, _describe(ref[i]), rank, len(other), len(ref))
+    if i >= len(ref):
+        return "rank %d has an extra layer %d, %s (%d layers against %d)" % (
+            rank, i, _describe(other[i]), len(other), len(ref))
+    return "layer %d is %s on rank 0 and %s on rank %d" % (i, _describe(ref[i]), _describe(other[i]), rank)

@@ -1,0 +1,68 @@
+"""Transports: how buckets of gradients are summed over the ranks
+(interface: :class:`~caffempi.parallel.transports.base.Transport`).
+
+``make_transport(world, mode, xp, nbytes)`` picks one by ``--comm`` and by
+where the buffers live:
+
+=========  ===================================  ======================================
+--comm     NumPy buffers (CPU nets)             CuPy buffers (GPU nets)
+=========  ===================================  ======================================
+auto       shm when every rank is on this host  nccl when NCCL can join the ranks,
+           and /dev/shm has room, else overlap  else overlap through pinned copies
+shm        shm (else overlap, with a warning)   refused
+overlap    mpi.OverlapTransport                 staged.StagedTransport(overlap)
+nopoll     mpi.IallreduceTransport              staged (nopoll)
+async      mpi.AsyncProgressTransport           staged (async)
+thread     mpi.ThreadTransport                  staged (thread)
+blocking   mpi.BlockingTransport                staged (blocking)
+nccl       refused                              nccl.NCCLTransport (refused when NCCL
+                                                cannot join the ranks)
+=========  ===================================  ======================================
+
+One rank needs no transport: :class:`~caffempi.parallel.transports.base.LocalTransport`.
+A new transport subclasses ``Transport`` and gets a row here.
+"""
+import numpy as np
+
+from ...common import CaffeError, log
+from .base import LocalTransport, Transport  # noqa: F401  (the interface)
+from .mpi import HOST_TRANSPORTS
+from .shm import make_shm_transport
+
+COMM_MODES = ("auto", "shm", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
+
+
+def check_comm_mode(mode):
+    if mode not in COMM_MODES:
+        raise CaffeError("unknown --comm '%s' (one of %s)" % (mode, ", ".join(COMM_MODES)))
+
+
+def make_transport(world, mode="overlap", xp=np, nbytes=0):
+    """The transport for ``--comm=mode`` and buffers of array module ``xp``,
+    at most ``nbytes`` of them summed per iteration (collective: every rank
+    must call it, with the same arguments)."""
+    check_comm_mode(mode)
+    if world.size == 1:
+        return LocalTransport()
+    if xp is np:
+        if mode == "nccl":
+            raise CaffeError("--comm=nccl needs GPU nets (--gpu)")
+        if mode in ("auto", "shm"):
+            transport = make_shm_transport(world, nbytes, asked=mode == "shm")
+            if transport is not None:
+                return transport
+            mode = "overlap"
+        return HOST_TRANSPORTS[mode](world)
+    if mode == "shm":
+        raise CaffeError("--comm=shm needs CPU nets (GPU nets: nccl, or overlap through pinned host copies)")
+    from . import nccl, staged
+    if mode in ("auto", "nccl"):
+        reason = nccl.nccl_unavailable_reason(world)
+        if reason is None:
+            return nccl.NCCLTransport(world)
+        if mode == "nccl":
+            raise CaffeError("--comm=nccl: %s" % reason)
+        if world.rank == 0:
+            log.warning("NCCL not used (%s): gradients go through host memory and MPI", reason)
+        mode = "overlap"
+    return staged.StagedTransport(HOST_TRANSPORTS[mode](world))
