@@ -52,6 +52,9 @@ define_flag("sigint_effect", "stop", "Optional; action to take when a SIGINT sig
             "snapshot, stop or none.")
 define_flag("sighup_effect", "snapshot", "Optional; action to take when a SIGHUP signal is received: "
             "snapshot, stop or none.")
+define_flag("sigterm_effect", "snapshot", "Optional; action to take when a SIGTERM signal is received "
+            "(what schedulers send before killing a job): snapshot (write one snapshot after the current "
+            "iteration, then stop), stop or none.")
 define_flag("data_shape", "", "Optional; for 'time': C,H,W of images from a data layer whose source "
             "cannot be read and whose prototxt does not say the size.")
 define_flag("debug", False, "Show Python tracebacks instead of one-line errors.")
@@ -176,39 +179,43 @@ def select_backend(flags, solver_param=None, world=None):
     return cp
 
 
-class SignalHandler:
-    """Caffe's SignalHandler: SIGINT/SIGHUP set a flag; the solver polls
-    ``get_action`` after each iteration (and test batch) and acts then."""
+def signal_effects(flags):
+    """{signal: SolverAction} from --sigint_effect, --sighup_effect and
+    --sigterm_effect (SIGTERM's "snapshot" also stops: a scheduler kills the
+    job next)."""
+    from .solvers import SolverAction
+    effects = {signal.SIGINT: SolverAction.from_name(flags.sigint_effect)}
+    if hasattr(signal, "SIGHUP"):
+        effects[signal.SIGHUP] = SolverAction.from_name(flags.sighup_effect)
+    effects[signal.SIGTERM] = SolverAction.from_name(flags.sigterm_effect, then_stop=True)
+    return effects
 
-    def __init__(self, sigint_effect, sighup_effect):
-        from .solvers import SolverAction
-        self.sigint_action = SolverAction.from_name(sigint_effect)
-        self.sighup_action = SolverAction.from_name(sighup_effect)
-        self.got_sigint = self.got_sighup = False
+
+class SignalHandler:
+    """Caffe's SignalHandler, with SIGTERM beside SIGINT and SIGHUP: a
+    signal only sets a flag; the solver polls ``get_action`` after each
+    iteration (and test batch), and the ranks agree on the action then.
+    ``effects``: {signal number: SolverAction value}."""
+
+    def __init__(self, effects):
+        self.effects = effects
+        self.pending = []
         self._old = {}
-        for sig in (signal.SIGINT, getattr(signal, "SIGHUP", None)):
-            if sig is None:
-                continue
+        for sig in effects:
             try:
                 self._old[sig] = signal.signal(sig, self._handle)
             except ValueError:  # not the main thread
                 pass
 
     def _handle(self, signum, frame):
-        if signum == signal.SIGINT:
-            self.got_sigint = True
-        else:
-            self.got_sighup = True
+        if signum not in self.pending:
+            self.pending.append(signum)
 
     def get_action(self):
         from .solvers import SolverAction
-        if self.got_sigint:
-            self.got_sigint = False
-            return self.sigint_action
-        if self.got_sighup:
-            self.got_sighup = False
-            return self.sighup_action
-        return SolverAction.NONE
+        if not self.pending:
+            return SolverAction.NONE
+        return self.effects[self.pending.pop(0)]
 
     def restore(self):
         for sig, old in self._old.items():
@@ -223,10 +230,7 @@ def train(flags):
         raise CaffeError("Need a solver definition to train (--solver).")
     if flags.snapshot and flags.weights:
         raise CaffeError("Give a snapshot to resume training or weights to finetune but not both.")
-    # Validate the signal effects before anything runs.
-    from .solvers import SolverAction
-    SolverAction.from_name(flags.sigint_effect)
-    SolverAction.from_name(flags.sighup_effect)
+    effects = signal_effects(flags)         # a bad effect fails before anything runs
     param = read_solver(flags.solver)
     param.train_state.level = flags.level
     param.train_state.stage.extend(get_stages(flags))
@@ -237,10 +241,10 @@ def train(flags):
     # gradient strategy.  Without a launcher: one process, no MPI import.
     from .parallel.launch import setup_parallel
     world, sync = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
-                                 debug=flags.debug)
+                                 debug=flags.debug, comm_timeout=flags.comm_timeout)
     xp = select_backend(flags, param, world)
     tune_allocator()        # a start-up step of the command, not of building a Net
-    handler = SignalHandler(flags.sigint_effect, flags.sighup_effect)
+    handler = SignalHandler(effects)
     try:
         solver = get_solver(param, xp=xp, source=flags.solver, sync=sync, memory=flags.memory)
         solver.set_action_function(handler.get_action)

@@ -25,18 +25,31 @@ class AgreedError(CaffeError):
 
 
 class SolverAction:
-    """What a signal asks of the solver (Caffe's SolverAction::Enum)."""
+    """What a signal asks of the solver (Caffe's SolverAction::Enum, and
+    SNAPSHOT_AND_STOP: SIGTERM's "snapshot", since a preempted job must exit)."""
     NONE = 0
     STOP = 1
     SNAPSHOT = 2
+    SNAPSHOT_AND_STOP = 3
 
     @staticmethod
-    def from_name(name):
+    def from_name(name, then_stop=False):
+        """The action of a ``--sig*_effect`` value; ``then_stop``: "snapshot"
+        also stops (SIGTERM)."""
         try:
-            return {"none": SolverAction.NONE, "stop": SolverAction.STOP,
-                    "snapshot": SolverAction.SNAPSHOT}[name]
+            action = {"none": SolverAction.NONE, "stop": SolverAction.STOP,
+                      "snapshot": SolverAction.SNAPSHOT}[name]
         except KeyError:
             raise CaffeError("invalid signal effect '%s' (stop, snapshot or none)" % name)
+        return SolverAction.SNAPSHOT_AND_STOP if then_stop and action == SolverAction.SNAPSHOT else action
+
+    @staticmethod
+    def snapshots(action):
+        return action in (SolverAction.SNAPSHOT, SolverAction.SNAPSHOT_AND_STOP)
+
+    @staticmethod
+    def stops(action):
+        return action in (SolverAction.STOP, SolverAction.SNAPSHOT_AND_STOP)
 
 
 # --------------------------------------------------------------------- random

@@ -32,18 +32,18 @@ class Collectives:
         values = [float(v) for v in values]
         if not self.active or not values:
             return values
-        return [float(v) / self.size for v in self.world.allreduce_scalars(values)]
+        return [float(v) / self.size for v in self.world.allreduce_scalars(values, what="the displayed outputs' mean")]
 
     def sum_scalars(self, values):
         """Element-wise sum over ranks (test scores, losses, batch counts)."""
         values = [float(v) for v in values]
         if not self.active or not values:
             return values
-        return [float(v) for v in self.world.allreduce_scalars(values)]
+        return [float(v) for v in self.world.allreduce_scalars(values, what="the test scores' sum")]
 
     def any(self, flag):
         """True on every rank if ``flag`` is true on any rank."""
-        return self.world.any(flag) if self.active else bool(flag)
+        return self.world.any(flag, "the check that every rank's loss is finite") if self.active else bool(flag)
 
     def diverged_ranks(self, info):
         """[(rank, info)] of the ranks whose ``info`` is not None (their loss
@@ -53,17 +53,19 @@ class Collectives:
         rank has one."""
         if not self.any(info is not None):
             return []
-        return [(r, i) for r, i in enumerate(self.world.allgather(info)) if i is not None]
+        everyone = self.world.allgather(info, "the diverged ranks' descriptions")
+        return [(r, i) for r, i in enumerate(everyone) if i is not None]
 
     def combine_action(self, action):
-        """The signal action every rank takes (SIGINT/SIGHUP reach the ranks
-        at different moments): STOP if any rank asks to stop, else SNAPSHOT if
-        any asks for one, else NONE."""
+        """The signal action every rank takes (signals reach the ranks at
+        different moments): the first of SNAPSHOT_AND_STOP, STOP and SNAPSHOT
+        that any rank asks for, else NONE."""
         if not self.active:
             return action
-        stop, snap = self.world.allreduce_scalars([1.0 if action == SolverAction.STOP else 0.0,
-                                                   1.0 if action == SolverAction.SNAPSHOT else 0.0], "max")
-        return SolverAction.STOP if stop else (SolverAction.SNAPSHOT if snap else SolverAction.NONE)
+        order = (SolverAction.SNAPSHOT_AND_STOP, SolverAction.STOP, SolverAction.SNAPSHOT)
+        asked = self.world.allreduce_scalars([1.0 if action == a else 0.0 for a in order], "max",
+                                             "the agreement on signal actions")
+        return next((a for a, flag in zip(order, asked) if flag), SolverAction.NONE)
 
     # ---------------------------------------------------------------- testing
     def split_test_iters(self, test_iter):
@@ -87,11 +89,11 @@ class Collectives:
         """The ranks' picklable objects in rank order on rank 0 (None on the
         others): every rank's data position and random state go into a
         snapshot, so that a resume on as many ranks is exact."""
-        return self.world.gather(obj) if self.active else [obj]
+        return self.world.gather(obj, what="every rank's state for the snapshot") if self.active else [obj]
 
     def broadcast_object(self, obj):
         """Rank 0's picklable ``obj`` on every rank."""
-        return self.world.bcast(obj, 0) if self.active else obj
+        return self.world.bcast(obj, 0, "rank 0's result (files only rank 0 reads)") if self.active else obj
 
     def broadcast_arrays(self, arrays):
         """Make every rank's arrays (weights, solver history) rank 0's, in
@@ -99,7 +101,7 @@ class Collectives:
         resuming all go through it, so only rank 0 reads weight files."""
         if self.active:
             for a in arrays:
-                self.world.bcast_array(a, 0)
+                self.world.bcast_array(a, 0, "rank 0's weights")
 
     def check_same_net(self, net, what="net"):
         """Stop every rank now, with one line naming the first layer that
@@ -111,7 +113,7 @@ class Collectives:
             return
         mine = [(name, layer.type, tuple(tuple(b.shape) for b in layer.blobs))
                 for name, layer in zip(net.layer_names, net.layers)]
-        everyone = self.world.allgather(mine)
+        everyone = self.world.allgather(mine, "the check that every rank built the same net")
         ref = everyone[0]
         for rank, layers in enumerate(everyone[1:], 1):
             if layers == ref:
@@ -127,8 +129,8 @@ class Collectives:
             return True
         w = to_numpy(net.param_data).astype(np.float64)
         h = float(np.sum(w * (1 + np.arange(w.size) % 7)))
-        lo = self.world.allreduce_scalars([h], "min")[0]
-        hi = self.world.allreduce_scalars([h], "max")[0]
+        lo = self.world.allreduce_scalars([h], "min", "the weights' checksum")[0]
+        hi = self.world.allreduce_scalars([h], "max", "the weights' checksum")[0]
         return lo == hi
 
 

@@ -19,6 +19,7 @@ import numpy as np
 
 from .. import config
 from ..common import CaffeError
+from .watchdog import DEFAULT_TIMEOUT, Watchdog
 
 # Environment variables that launchers set in every rank (MPICH/Hydra,
 # Intel MPI, Open MPI, PMIx, MVAPICH).  Their presence means "we were started
@@ -58,7 +59,8 @@ def _launcher_size(environ=None):
 class World(ABC):
     """The ranks of a job and the collectives on host buffers that the
     parallel package builds on.  Every rank calls each collective in the
-    same order."""
+    same order; ``what`` describes a collective's purpose for the watchdog's
+    message (:meth:`watch`)."""
     rank = 0
     size = 1
     is_mpi = False
@@ -69,38 +71,46 @@ class World(ABC):
     def is_root(self):
         return self.rank == 0
 
+    def watch(self, what, detail=None):
+        """A context for a wait on the other ranks (``--comm_timeout``: see
+        :mod:`caffempi.parallel.watchdog`); one process waits for nobody."""
+        return contextlib.nullcontext()
+
+    def set_comm_timeout(self, seconds):
+        """No wait on the other ranks may last longer than ``seconds``."""
+
     @abstractmethod
-    def barrier(self):
+    def barrier(self, what="a barrier"):
         """Return when every rank has called it."""
 
     @abstractmethod
-    def bcast(self, obj, root=0):
+    def bcast(self, obj, root=0, what="a broadcast"):
         """``root``'s picklable ``obj`` on every rank."""
 
     @abstractmethod
-    def bcast_array(self, arr, root=0):
+    def bcast_array(self, arr, root=0, what="an array broadcast"):
         """Overwrite ``arr`` (contiguous; NumPy or CuPy) with ``root``'s; returns it."""
 
     @abstractmethod
-    def allreduce_sum(self, arr):
+    def allreduce_sum(self, arr, what="an array sum"):
         """In-place sum over ranks of a contiguous array; returns it."""
 
     @abstractmethod
-    def allreduce_scalars(self, values, op="sum"):
+    def allreduce_scalars(self, values, op="sum", what="a sum of scalars"):
         """Element-wise sum, max or min over ranks of a list of floats, as a
         float64 array."""
 
     @abstractmethod
-    def allgather(self, obj):
+    def allgather(self, obj, what="an allgather"):
         """Every rank's picklable ``obj``, in rank order, on every rank."""
 
     @abstractmethod
-    def gather(self, obj, root=0):
+    def gather(self, obj, root=0, what="a gather"):
         """Every rank's ``obj`` in rank order on ``root``, None elsewhere."""
 
-    def any(self, flag):
+    def any(self, flag, what="an agreement"):
         """True on every rank if ``flag`` is true on any rank."""
-        return bool(self.allreduce_scalars([1.0 if flag else 0.0], "max")[0])
+        return bool(self.allreduce_scalars([1.0 if flag else 0.0], "max", what)[0])
 
     @abstractmethod
     def abort(self, code=1):
@@ -122,25 +132,25 @@ class World(ABC):
 class SingleWorld(World):
     """One process, no MPI: every collective returns its input."""
 
-    def barrier(self):
+    def barrier(self, what="a barrier"):
         pass
 
-    def bcast(self, obj, root=0):
+    def bcast(self, obj, root=0, what="a broadcast"):
         return obj
 
-    def bcast_array(self, arr, root=0):
+    def bcast_array(self, arr, root=0, what="an array broadcast"):
         return arr
 
-    def allreduce_sum(self, arr):
+    def allreduce_sum(self, arr, what="an array sum"):
         return arr
 
-    def allreduce_scalars(self, values, op="sum"):
+    def allreduce_scalars(self, values, op="sum", what="a sum of scalars"):
         return np.asarray(values, np.float64).copy()
 
-    def allgather(self, obj):
+    def allgather(self, obj, what="an allgather"):
         return [obj]
 
-    def gather(self, obj, root=0):
+    def gather(self, obj, root=0, what="a gather"):
         return [obj]
 
     def abort(self, code=1):
@@ -160,7 +170,8 @@ class SingleWorld(World):
 
 
 class MPIWorld(World):
-    """COMM_WORLD through mpi4py (host buffers)."""
+    """COMM_WORLD through mpi4py (host buffers); every collective under the
+    watchdog (``set_comm_timeout``; DEFAULT_TIMEOUT until then)."""
     is_mpi = True
 
     def __init__(self, MPI, comm=None):
@@ -169,37 +180,50 @@ class MPIWorld(World):
         self.rank = self.comm.Get_rank()
         self.size = self.comm.Get_size()
         self.thread_level = MPI.Query_thread()
+        self.watchdog = Watchdog(self.rank, DEFAULT_TIMEOUT, self.abort)
 
-    def barrier(self):
-        self.comm.Barrier()
+    def set_comm_timeout(self, seconds):
+        """No collective may wait longer than ``seconds`` (0 or None: forever)."""
+        self.watchdog = Watchdog(self.rank, seconds, self.abort)
 
-    def bcast(self, obj, root=0):
-        return self.comm.bcast(obj, root=root)
+    def watch(self, what, detail=None):
+        return self.watchdog.watch(what, detail)
 
-    def bcast_array(self, arr, root=0):
+    def barrier(self, what="a barrier"):
+        with self.watch(what):
+            self.comm.Barrier()
+
+    def bcast(self, obj, root=0, what="a broadcast"):
+        with self.watch(what):
+            return self.comm.bcast(obj, root=root)
+
+    def bcast_array(self, arr, root=0, what="an array broadcast"):
         if arr.size:
-            with _host(arr) as h:
+            with self.watch(what), _host(arr) as h:
                 self.comm.Bcast(h, root=root)
         return arr
 
-    def allreduce_sum(self, arr):
+    def allreduce_sum(self, arr, what="an array sum"):
         if arr.size:
-            with _host(arr) as h:
+            with self.watch(what), _host(arr) as h:
                 self.comm.Allreduce(self.MPI.IN_PLACE, h, op=self.MPI.SUM)
         return arr
 
-    def allreduce_scalars(self, values, op="sum"):
+    def allreduce_scalars(self, values, op="sum", what="a sum of scalars"):
         a = np.array(values, np.float64).reshape(-1)
         if a.size:
             mop = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
-            self.comm.Allreduce(self.MPI.IN_PLACE, a, op=mop)
+            with self.watch(what):
+                self.comm.Allreduce(self.MPI.IN_PLACE, a, op=mop)
         return a
 
-    def allgather(self, obj):
-        return self.comm.allgather(obj)
+    def allgather(self, obj, what="an allgather"):
+        with self.watch(what):
+            return self.comm.allgather(obj)
 
-    def gather(self, obj, root=0):
-        return self.comm.gather(obj, root=root)
+    def gather(self, obj, root=0, what="a gather"):
+        with self.watch(what):
+            return self.comm.gather(obj, root=root)
 
     def abort(self, code=1):
         sys.stdout.flush()

@@ -70,7 +70,7 @@ class ElasticAverager:
         np.subtract(params, self.center, out=d)
         d *= params.dtype.type(self.alpha)
         params -= d
-        self.world.allreduce_sum(d)
+        self.world.allreduce_sum(d, "the elastic averaging step")
         self.center += d
         return True
 
@@ -80,7 +80,7 @@ class ElasticAverager:
         if self.world.size > 1:
             # centres are identical on all ranks (same sums, same order);
             # take rank 0's to be exact to the bit
-            self.world.bcast_array(self.center, 0)
+            self.world.bcast_array(self.center, 0, "rank 0's centre")
         params[...] = self.center
         self.step = 0
 
@@ -130,8 +130,8 @@ class ElasticAveraging(GradientSync):
             return
         self.averager.synchronize(net.param_data)
         for h in history:
-            self.world.allreduce_sum(h)
+            self.world.allreduce_sum(h, "the solver history's mean")
             h *= h.dtype.type(1.0 / self.world.size)
             # a sum of more than two ranks may differ in the last bit between ranks
-            self.world.bcast_array(h, 0)
+            self.world.bcast_array(h, 0, "rank 0's solver history")
         self._in_sync = True

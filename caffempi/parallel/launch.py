@@ -13,6 +13,7 @@ from .comm import get_world
 from .easgd import ElasticAveraging
 from .sync import BucketedAllreduce
 from .transports import check_comm_mode
+from .watchdog import DEFAULT_TIMEOUT
 
 
 def init_rank_logging(world=None, level=logging.INFO, stream=None):
@@ -146,6 +147,9 @@ def add_parallel_flags(define_flag):
                 "(elastic averaging every --tau steps).")
     define_flag("tau", 10, "Optional; EASGD communication period in iterations.")
     define_flag("alpha", 0.2, "Optional; EASGD moving rate.")
+    define_flag("comm_timeout", DEFAULT_TIMEOUT, "Optional; seconds a rank may wait in one collective "
+                "(gradient bucket, agreement, broadcast) before it names what it waited for and ends the "
+                "job; 0: wait forever.")
 
 
 def init_process(comm):
@@ -170,14 +174,16 @@ def make_gradient_sync(world, sync="sgd", comm="auto", bucket_mb=None, tau=10, a
 
 
 def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
-                   level=logging.INFO):
+                   level=logging.INFO, comm_timeout=DEFAULT_TIMEOUT):
     """Everything a rank does before building its solver: the process
     settings for ``comm``, the world (MPI only under a launcher), per-rank
-    logging, abort on errors, its share of the cores, the gradient strategy.
+    logging, abort on errors, the collective watchdog (``comm_timeout``
+    seconds), its share of the cores, the gradient strategy.
     Returns (world, sync); pass ``sync=`` to the solver."""
     check_comm_mode(comm)
     init_process(comm)
     world = get_world(comm)
+    world.set_comm_timeout(comm_timeout)
     init_rank_logging(world, level)
     install_abort_handlers(world, debug)
     if world.size > 1 and world.rank == 0:

@@ -136,7 +136,8 @@ class BucketedAllreduce(GradientSync):
             return
         net.gradient_scale = 1.0 / self.world.size
         if self.transport is None:
-            self.transport = make_transport(self.world, self.comm, net.xp, net.param_diff.nbytes)
+            with self.world.watch("the gradient transport's set-up"):
+                self.transport = make_transport(self.world, self.comm, net.xp, net.param_diff.nbytes)
         if not isinstance(net.param_diff, np.ndarray) and not self.transport.device_buffers:
             raise CaffeError("the %s transport needs host (NumPy) gradient buffers" % self.transport.name)
         if self.transport.overlaps_backward:
@@ -149,6 +150,9 @@ class BucketedAllreduce(GradientSync):
         else:       # one bucket, started by finish
             self.buckets = [(0, 0, net.param_diff.size, sorted(set(net.param_layer_index)))]
             desc = "one blocking allreduce of %.2f MB" % (net.param_diff.nbytes / 2 ** 20)
+        self._names = ["gradient bucket %d of %d (%.2f MB, %s)" % (
+            k + 1, len(self.buckets), (b[2] - b[1]) * net.param_diff.itemsize / 2 ** 20, self.transport.name)
+            for k, b in enumerate(self.buckets)]
         if self.collectives.is_root:
             log.info("Data parallel over %d ranks (%s): %s", self.world.size, self.transport.name, desc)
 
@@ -189,8 +193,12 @@ class BucketedAllreduce(GradientSync):
         if k is None:
             self.transport.poll()
             return
+        self._start(k)
+
+    def _start(self, k):
         _, s, e, _ = self.buckets[k]
-        self._handles.append(self.transport.allreduce_start(self.net.param_diff[s:e]))
+        with self.world.watch(self._names[k]):
+            self._handles.append(self.transport.allreduce_start(self.net.param_diff[s:e]))
 
     def finish(self, net):
         """Wait for the sums (means: backward ran with the net's
@@ -201,10 +209,11 @@ class BucketedAllreduce(GradientSync):
             # buckets backward did not start (a transport that does not
             # overlap, fewer passes than iter_size said, an unhooked
             # backward): started now, in bucket order
-            for _, s, e, _ in self.buckets[len(self._handles):]:
-                self._handles.append(self.transport.allreduce_start(net.param_diff[s:e]))
-            for h in self._handles:
-                self.transport.wait(h)
+            for k in range(len(self._handles), len(self.buckets)):
+                self._start(k)
+            for k, h in enumerate(self._handles):
+                with self.world.watch(self._names[k], lambda h=h: self.transport.missing_ranks(h)):
+                    self.transport.wait(h)
         self._handles = []
         self._armed = False
         return time.perf_counter() - t0

@@ -112,6 +112,7 @@ class Solver:
         self._loss_base = 0
         self._pending_window = None
         self._params_synced = False
+        self._snapshot_iter = None       # the iteration of the last snapshot
         self.test_scores = []
 
         self._info("Initializing solver from parameters: \n%s",
@@ -504,9 +505,9 @@ class Solver:
             sync.after_update(net)
             self.iter += 1
             request = self._requested_action()
-            if (p.snapshot and self.iter % p.snapshot == 0) or request == SolverAction.SNAPSHOT:
+            if (p.snapshot and self.iter % p.snapshot == 0) or SolverAction.snapshots(request):
                 self.snapshot()
-            if request == SolverAction.STOP:
+            if SolverAction.stops(request):
                 self.requested_early_exit = True
                 break
 
@@ -520,7 +521,8 @@ class Solver:
             self._info("Restoring previous solver status from %s", resume_file)
             self.restore(resume_file)
         self.step(p.max_iter - self.iter)
-        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0):
+        if p.snapshot_after_train and (not p.snapshot or self.iter % p.snapshot != 0) \
+                and self._snapshot_iter != self.iter:
             self.snapshot()
         if self.requested_early_exit:
             self._info("Optimization stopped early.")
@@ -563,9 +565,9 @@ class Solver:
         for i in range(n):
             request = self._requested_action()
             while request != SolverAction.NONE:
-                if request == SolverAction.SNAPSHOT:
+                if SolverAction.snapshots(request):
                     self.snapshot()
-                elif request == SolverAction.STOP:
+                if SolverAction.stops(request):
                     self.requested_early_exit = True
                 request = self._requested_action()
             if self.requested_early_exit:
@@ -633,6 +635,7 @@ class Solver:
         p = self.param
         self.sync.synchronize_model(self.net, self.history)
         self._check_finite_weights()
+        self._snapshot_iter = self.iter
         extra = self._extra_state()
         if not self.is_root:
             return None

@@ -2,6 +2,7 @@
 import sys
 import time
 
+import numpy as np
 import pytest
 
 from .mpirun import WORKERS, mpirun, needs_mpi, single
@@ -85,36 +86,71 @@ def test_cli_single_process_without_mpi(tmp_path):
     assert "Optimization Done" in p.stderr
 
 
-@needs_mpi
-@needs_cli
-def test_cli_sigint_to_mpiexec_snapshots_once_and_stops(tmp_path):
-    import signal
+def _signal_training_job(tmp_path, solver, sig, after):
+    """Start `mpiexec -n 2 ... train --solver=solver`, send ``sig`` to mpiexec
+    once the log shows ``after``; returns (exit status, the whole log)."""
     import subprocess
     from .mpirun import env, mpiexec_path
-    s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="int")
-    s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
-    p = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable] + CLI + ["train",
-                          "--solver=%s" % s], env=env(), stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    p = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable] + CLI + ["train", "--solver=%s" % solver],
+                         env=env(), stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
     lines = []
     try:
         t = time.time()
-        seen = 0
         for line in p.stderr:
             lines.append(line)
-            seen += "Iteration" in line
-            if seen >= 12:            # training is under way
+            if after in line:              # training is under way
                 break
             assert time.time() - t < 60, "".join(lines)
-        p.send_signal(signal.SIGINT)
+        p.send_signal(sig)
         _, rest = p.communicate(timeout=30)
     finally:
         if p.poll() is None:
             p.kill()
-    out = "".join(lines) + rest
-    assert p.returncode == 0, out
+    return p.returncode, "".join(lines) + rest
+
+
+@needs_mpi
+@needs_cli
+def test_cli_sigint_to_mpiexec_snapshots_once_and_stops(tmp_path):
+    import signal
+    s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="int")
+    s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
+    rc, out = _signal_training_job(tmp_path, s, signal.SIGINT, "Iteration 6 (")
+    assert rc == 0, out
     assert "Optimization stopped early" in out
     snaps = list(tmp_path.glob("int_iter_*.caffemodel"))
     assert len(snaps) == 1, out
+
+
+@needs_mpi
+@needs_cli
+def test_sigterm_to_mpiexec_leaves_one_snapshot_that_resumes_bitwise(tmp_path):
+    """What a scheduler does before killing a job: SIGTERM to mpiexec.  The
+    ranks agree, write one snapshot after the current iteration and exit 0;
+    resuming from it reaches the same weights, to the bit, as a run that was
+    never stopped."""
+    import re
+    import signal
+    from .test_solver_mpi import caffemodel_weights
+    s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="term")
+    s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
+    rc, out = _signal_training_job(tmp_path, s, signal.SIGTERM, "Iteration 6 (")
+    assert rc == 0, out
+    assert "Optimization stopped early" in out
+    models = list(tmp_path.glob("term_iter_*.caffemodel"))
+    states = list(tmp_path.glob("term_iter_*.solverstate"))
+    assert len(models) == 1 and len(states) == 1, out
+    k = int(re.search(r"_iter_(\d+)\.", models[0].name).group(1))
+    # the uninterrupted run to k + 3, and the resumed one
+    s.write_text(s.read_text().replace("max_iter: 100000", "max_iter: %d" % (k + 3)))
+    for prefix, extra in (("full", []), ("resumed", ["--snapshot=%s" % states[0]])):
+        text = s.read_text().replace(str(tmp_path / "term"), str(tmp_path / prefix))
+        solver = tmp_path / ("solver_%s.prototxt" % prefix)
+        solver.write_text(text)
+        mpirun(2, CLI + ["train", "--solver=%s" % solver] + extra, timeout=60)
+    full = caffemodel_weights(tmp_path / ("full_iter_%d.caffemodel" % (k + 3)))
+    resumed = caffemodel_weights(tmp_path / ("resumed_iter_%d.caffemodel" % (k + 3)))
+    np.testing.assert_array_equal(resumed, full)
 
 
 @needs_mpi

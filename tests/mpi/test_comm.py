@@ -175,7 +175,7 @@ class _TwoRankWorld(SingleWorld):
     def __init__(self, other):
         self.other = other
 
-    def allgather(self, obj):
+    def allgather(self, obj, what=None):
         return [obj, self.other]
 
 

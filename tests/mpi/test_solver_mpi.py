@@ -187,3 +187,36 @@ def test_easgd_resume_continues_exactly(data_dir):
         assert int(b["iter"]) == 6
         np.testing.assert_array_equal(b["w"], a["w"])
         np.testing.assert_array_equal(b["center"], a["center"])
+
+
+@needs_mpi
+@pytest.mark.parametrize("comm", ["auto", "blocking"])
+def test_a_rank_that_stops_taking_part_ends_the_job_after_comm_timeout(data_dir, comm):
+    """Rank 1 stops taking part at iteration 2 (as a rank behind a dead link
+    would): rank 0, waiting for the gradient sum, names what it waited for
+    once --comm_timeout has passed and ends the job, non-zero, no hang."""
+    t = time.time()
+    p = mpirun(2, [W, data_dir, 12, 6, "prefix=hang" + comm, "fail_rank=1", "fail_iter=2",
+                   "fail_kind=hang", "comm_timeout=2", "comm=" + comm], check=False, timeout=60)
+    assert p.returncode != 0
+    assert time.time() - t < 30
+    lines = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, p.stderr
+    assert "rank 0 waited 2 s for gradient bucket 1 of" in lines[0] or \
+        "rank 0 waited 3 s for gradient bucket 1 of" in lines[0], lines[0]
+    assert "ending the job (--comm_timeout=2)" in lines[0]
+    if comm == "auto":              # shm: the flags say who is missing
+        assert "(ranks not joined: 1;" in lines[0], lines[0]
+
+
+def test_watchdog_exits_by_itself_when_the_abort_cannot_reach_the_others():
+    import subprocess
+    code = ("import time; from caffempi.parallel import watchdog; watchdog.ABORT_GRACE = 1; "
+            "w = watchdog.Watchdog(3, 0.5, abort=lambda code: time.sleep(60)); "
+            "ctx = w.watch('the test broadcast')\n"
+            "with ctx: time.sleep(60)")
+    t = time.time()
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=30)
+    assert p.returncode == 1
+    assert time.time() - t < 10
+    assert "rank 3 waited 1 s for the test broadcast (ranks not joined: not known;" in p.stderr, p.stderr

@@ -47,6 +47,11 @@ class Transport(ABC):
     def backward_end(self):
         """Backward has run: no more starts this iteration."""
 
+    def missing_ranks(self, handle):
+        """The ranks whose part of ``handle``'s sum has not arrived, where the
+        transport can tell (for the watchdog's message), else None."""
+        return None
+
     def allreduce(self, buf):
         """Sum ``buf`` over the ranks now (start, end, wait)."""
         handle = self.allreduce_start(buf)

@@ -171,6 +171,9 @@ class SharedMemoryTransport(Transport):
     def backward_end(self):
         self._closing = True
 
+    def missing_ranks(self, b):
+        return [q for q, ready in enumerate(self.ready) if ready[b.slot] != self.round] or None
+
     def close(self):
         if self.win is None:
             return

@@ -5,7 +5,8 @@ usage: solver_worker.py DIR GLOBAL_BATCH MAX_ITER [key=value ...]
 keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
       finetune from), other_cwd (ranks but 0 work in this directory, as on a
       host that does not share rank 0's files), fail_rank, fail_iter,
-      fail_kind (raise|nan|kill|snapshot), sync, tau, test_interval, after_train
+      fail_kind (raise|nan|kill|snapshot|hang: stops taking part, as a rank
+      behind a dead link), comm_timeout, sync, tau, test_interval, after_train
       (0: no snapshot_after_train),
       out (npz written by rank 0), each (npz path with %d: every rank writes its
       iteration, weights and EASGD centre when it stops, also on an error)
@@ -66,7 +67,8 @@ def main():
     kw = dict(a.split("=", 1) for a in sys.argv[4:])
     world, sync = setup_parallel(comm=kw.get("comm", "overlap"), sync=kw.get("sync", "sgd"),
                                     tau=int(kw.get("tau", 10)), alpha=float(kw.get("alpha", 0.2)),
-                                    bucket_mb=float(kw.get("bucket_mb", 0.001)))
+                                    bucket_mb=float(kw.get("bucket_mb", 0.001)),
+                                    comm_timeout=float(kw.get("comm_timeout", 600)))
 
     def run():
         from google.protobuf import text_format
@@ -98,6 +100,9 @@ def main():
                         raise RuntimeError("injected failure at iteration %d" % solver.iter)
                     if kind == "kill":
                         os.kill(os.getpid(), 9)
+                    if kind == "hang":
+                        import time
+                        time.sleep(3600)
                     if kind == "nan":      # poisons ip3's output, hence the loss
                         net.param_data[-1] = np.nan
                 return orig()
