@@ -1,0 +1,116 @@
+"""Two emulated hosts (network namespaces on a bridge, TCP between them;
+caffempi.testing.cluster): the same training as one process, and no hang
+when a rank is killed or a host's link goes down.  Skipped where network
+namespaces cannot be made (not root, no iproute2)."""
+import signal
+import subprocess
+import sys
+import time
+
+import numpy as np
+import pytest
+
+from caffempi.testing.cluster import Cluster, unavailable_reason
+
+from .mpirun import REPO, WORKERS, env, needs_mpi, single
+
+pytest.importorskip("h5py")
+_reason = unavailable_reason()
+needs_hosts = pytest.mark.skipif(_reason is not None, reason="no emulated hosts: %s" % _reason)
+W = WORKERS / "solver_worker.py"
+pytestmark = [needs_mpi, needs_hosts]
+
+
+@pytest.fixture(scope="module")
+def cluster():
+    with Cluster(2, rate="1gbit") as c:
+        yield c
+
+
+@pytest.fixture(scope="module")
+def data_dir(tmp_path_factory):
+    return tmp_path_factory.mktemp("clusterdata")
+
+
+def run(cluster, args, timeout=120, check=True):
+    p = cluster.mpiexec([sys.executable] + [str(a) for a in args], env=env(), timeout=timeout, cwd=str(REPO))
+    if check and p.returncode:
+        raise AssertionError("exit %d\n%s\n%s" % (p.returncode, p.stdout, p.stderr))
+    return p
+
+
+def test_two_hosts_over_tcp_train_as_one_process(cluster, data_dir):
+    single([W, data_dir, 12, 6, "out=%s" % (data_dir / "one.npz"), "prefix=one"])
+    before = cluster.link_bytes()
+    p = run(cluster, [W, data_dir, 12, 6, "out=%s" % (data_dir / "two.npz"), "prefix=two"])
+    sent = [a[0] - b[0] for a, b in zip(cluster.link_bytes(), before)]
+    one, two = np.load(data_dir / "one.npz"), np.load(data_dir / "two.npz")
+    assert int(two["iter"]) == 6
+    np.testing.assert_allclose(two["w"], one["w"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(two["test"], one["test"], rtol=0, atol=1e-6)
+    # the gradients (2,601 floats a step) crossed the emulated link, over MPI (not shared memory)
+    assert "mpi-host-overlap" in p.stderr
+    assert min(sent) > 6 * 2601 * 4, sent
+
+
+def test_a_killed_rank_ends_the_job(cluster, data_dir):
+    t = time.time()
+    p = run(cluster, [W, data_dir, 12, 6, "prefix=kill", "fail_rank=1", "fail_iter=2", "fail_kind=kill"],
+            check=False, timeout=90)
+    assert p.returncode != 0
+    assert time.time() - t < 60
+
+
+def test_a_host_whose_link_goes_down_ends_the_job_within_the_timeout(cluster, data_dir, tmp_path):
+    from .test_cli_mpi import CLI, write_solver
+    s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="down")
+    s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
+    p = cluster.popen([sys.executable] + CLI + ["train", "--solver=%s" % s, "--comm_timeout=5"], env=env(),
+                      cwd=str(REPO), stderr=subprocess.PIPE, text=True)
+    try:
+        t = time.time()
+        for line in p.stderr:
+            if "Iteration 10 (" in line:
+                break
+            assert time.time() - t < 60, "training did not start"
+        cluster.set_link(1, False)
+        down = time.time()
+        _, rest = p.communicate(timeout=5 + 60)
+        ended = time.time() - down
+    finally:
+        if p.poll() is None:
+            p.send_signal(signal.SIGKILL)
+        cluster.set_link(1, True)
+    assert p.returncode != 0
+    assert ended < 5 + 60
+    errors = [line for line in rest.splitlines() if "error:" in line]
+    assert len(errors) == 1, rest
+    assert "rank 0 waited" in errors[0] and "ending the job (--comm_timeout=5)" in errors[0], errors[0]
+
+
+def _namespaces(prefix):
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    return [line.split()[0] for line in out.splitlines() if line.startswith(prefix)]
+
+
+@pytest.mark.parametrize("how", ["error", signal.SIGINT, signal.SIGTERM])
+def test_the_hosts_are_torn_down_on_error_and_on_signals(how):
+    prefix = "cmtd%d" % (0 if how == "error" else int(how))
+    code = ("import sys, time; from caffempi.testing.cluster import Cluster\n"
+            "with Cluster(2, rate='100mbit', prefix=%r) as c:\n"
+            "    print('up', flush=True)\n"
+            "    if sys.argv[1] == 'error': raise RuntimeError('boom')\n"
+            "    time.sleep(60)\n" % prefix)
+    p = subprocess.Popen([sys.executable, "-c", code, str(how)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         text=True, cwd=str(REPO))
+    try:
+        assert p.stdout.readline().strip() == "up"
+        assert len(_namespaces(prefix)) == 3            # two hosts and the bridge
+        if how != "error":
+            p.send_signal(how)
+        p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    assert p.returncode != 0
+    assert _namespaces(prefix) == []
