@@ -68,6 +68,14 @@ class Layer:
     # updates are undone by the planner): --memory=recompute may drop its
     # outputs and state after forward and run it again in backward.
     recompute_cheap = False
+    # Sufficient factors (Poseidon's SFB): a layer whose weight gradient is a
+    # sum of outer products over the batch, dW = dy^T x over M rows, says so
+    # through factor_shape().  A gradient strategy that forms dW from every
+    # rank's factors sets weight_grad_from_factors: backward then leaves
+    # blobs[0].diff alone and keeps (dy, x) in ``factors`` for the strategy.
+    weight_grad_from_factors = False
+    factor_transposed = False
+    factors = None
 
     def __init__(self, layer_param, phase=TRAIN, xp=np, dtype=np.float32):
         self.param = layer_param
@@ -91,6 +99,12 @@ class Layer:
         """Default for layers without a gradient (data, accuracy, ...)."""
         if any(propagate_down):
             raise CaffeError("layer '%s' (%s) cannot backpropagate to its bottoms" % (self.name, self.type))
+
+    def factor_shape(self):
+        """(M, N, K) when blobs[0]'s gradient is dy^T x with dy (M, N) and x
+        (M, K) (stored as (N, K), or (K, N) when ``factor_transposed``), else
+        None."""
+        return None
 
     def allow_force_backward(self, bottom_index):
         """False for bottoms that take no gradient (e.g. a loss's labels)."""

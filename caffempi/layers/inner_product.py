@@ -75,10 +75,19 @@ class InnerProductLayer(Layer):
                 y += self.blobs[1].data
         top[0].data = y.reshape(top[0].shape)
 
+    def factor_shape(self):
+        return self.M, self.num_output, self.K
+
+    @property
+    def factor_transposed(self):
+        return self.transpose
+
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff.reshape(self.M, self.num_output)
         x = bottom[0].data.reshape(self.M, self.K)
-        if self.transpose:
+        if self.weight_grad_from_factors:
+            self.factors = (dy, x)
+        elif self.transpose:
             self.blobs[0].diff += kernels.matmul(self.xp, x.T, dy)
         else:
             self.blobs[0].diff += kernels.matmul(self.xp, dy.T, x)

@@ -46,18 +46,38 @@ def group_buckets(nbytes, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_F
     return groups
 
 
-def make_buckets(net, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST_BUCKET_MB):
+def make_buckets(net, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, exclude=()):
     """Buckets of whole layers in reverse layer order (:func:`group_buckets`):
     list of (ready_layer, start, end, layer indices); ready_layer is the
     bucket's lowest layer, after whose backward the bucket's gradients are
-    final."""
+    final.  The learnable params in ``exclude`` (indices) are summed by other
+    means (:func:`bucket_segments`) and do not count towards a bucket's size."""
     itemsize = np.dtype(net.dtype).itemsize
     ranges = layer_param_ranges(net)
     order = sorted(ranges, reverse=True)
+    sizes = {li: ranges[li][1] - ranges[li][0] for li in order}
+    for p in exclude:
+        sizes[net.param_layer_index[p]] -= net.learnable_params[p].count
     out = []
-    for group in group_buckets([(ranges[li][1] - ranges[li][0]) * itemsize for li in order],
-                               bucket_mb, first_bucket_mb):
+    for group in group_buckets([sizes[li] * itemsize for li in order], bucket_mb, first_bucket_mb):
         layers = [order[i] for i in group]
         lo, hi = min(layers), max(layers)
         out.append((lo, ranges[lo][0], ranges[hi][1], layers))
     return out
+
+
+def bucket_segments(net, bucket, exclude=()):
+    """The [start, end) ranges of ``bucket`` that are summed over the ranks:
+    its range less those of the learnable params in ``exclude``."""
+    cuts = sorted((net.param_offsets[p], net.param_offsets[p] + net.learnable_params[p].count)
+                  for p in exclude)
+    segments, pos = [], bucket[1]
+    for s, e in cuts:
+        if s >= bucket[2] or e <= pos:
+            continue
+        if s > pos:
+            segments.append((pos, s))
+        pos = e
+    if pos < bucket[2]:
+        segments.append((pos, bucket[2]))
+    return segments

@@ -11,6 +11,7 @@ from ..common import AgreedError, CaffeError, init_logging, log
 from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 from .comm import get_world
 from .easgd import ElasticAveraging
+from .sfb import SFB_MODES, SufficientFactorBroadcast
 from .sync import BucketedAllreduce
 from .transports import check_comm_mode
 from .watchdog import DEFAULT_TIMEOUT
@@ -147,6 +148,12 @@ def add_parallel_flags(define_flag):
                 "(elastic averaging every --tau steps).")
     define_flag("tau", 10, "Optional; EASGD communication period in iterations.")
     define_flag("alpha", 0.2, "Optional; EASGD moving rate.")
+    define_flag("sfb", "auto", "Optional; sufficient-factor broadcast for InnerProduct weights (Poseidon): "
+                "auto (a cost model chooses per layer at start-up), on (every eligible layer) or off.")
+    define_flag("link_gbps", 0.0, "Optional; the link bandwidth the --sfb cost model assumes, in Gbit/s "
+                "(0: measured at start-up).")
+    define_flag("gemm_gflops", 0.0, "Optional; the GEMM rate the --sfb cost model assumes, in GFLOP/s "
+                "(0: measured at start-up).")
     define_flag("comm_timeout", DEFAULT_TIMEOUT, "Optional; seconds a rank may wait in one collective "
                 "(gradient bucket, agreement, broadcast) before it names what it waited for and ends the "
                 "job; 0: wait forever.")
@@ -161,20 +168,27 @@ def init_process(comm):
         os.environ["MPIR_CVAR_ASYNC_PROGRESS"] = "1"
 
 
-def make_gradient_sync(world, sync="sgd", comm="auto", bucket_mb=None, tau=10, alpha=0.2):
+def make_gradient_sync(world, sync="sgd", comm="auto", bucket_mb=None, tau=10, alpha=0.2, sfb="off",
+                       link_gbps=0.0, gemm_gflops=0.0):
     """The strategy for ``--sync`` (sgd: :class:`BucketedAllreduce` over
-    ``--comm``; easgd: :class:`ElasticAveraging`)."""
+    ``--comm``, with sufficient factors unless ``sfb`` is off; easgd:
+    :class:`ElasticAveraging`, which sends no gradients)."""
     check_comm_mode(comm)
+    if sfb not in SFB_MODES:
+        raise CaffeError("unknown --sfb '%s' (auto, on or off)" % sfb)
     if sync == "sgd":
         bucket = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
-        return BucketedAllreduce(world, comm, bucket, min(bucket, DEFAULT_FIRST_BUCKET_MB))
+        first = min(bucket, DEFAULT_FIRST_BUCKET_MB)
+        if sfb != "off":
+            return SufficientFactorBroadcast(world, comm, bucket, first, sfb, link_gbps, gemm_gflops)
+        return BucketedAllreduce(world, comm, bucket, first)
     if sync == "easgd":
         return ElasticAveraging(world, tau, alpha)
     raise CaffeError("unknown --sync '%s' (sgd or easgd)" % sync)
 
 
 def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
-                   level=logging.INFO, comm_timeout=DEFAULT_TIMEOUT):
+                   level=logging.INFO, comm_timeout=DEFAULT_TIMEOUT, sfb="off", link_gbps=0.0, gemm_gflops=0.0):
     """Everything a rank does before building its solver: the process
     settings for ``comm``, the world (MPI only under a launcher), per-rank
     logging, abort on errors, the collective watchdog (``comm_timeout``
@@ -190,7 +204,7 @@ def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, d
         log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
                  world.processor_name())
     share_cores(world)
-    return world, make_gradient_sync(world, sync, comm, bucket_mb, tau, alpha)
+    return world, make_gradient_sync(world, sync, comm, bucket_mb, tau, alpha, sfb, link_gbps, gemm_gflops)
 
 
 def exit_code(rc, world=None):

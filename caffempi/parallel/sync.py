@@ -23,7 +23,7 @@ from abc import ABC, abstractmethod
 import numpy as np
 
 from ..common import CaffeError, log
-from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, make_buckets
+from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, bucket_segments, make_buckets
 from .collectives import Collectives
 from .transports import make_transport
 
@@ -115,6 +115,8 @@ class BucketedAllreduce(GradientSync):
         self.first_bucket_mb = first_bucket_mb
         self.transport = transport       # made in attach(), for the net's buffers
         self.buckets = []
+        self.exclude = ()                # learnable params summed by other means (a subclass's)
+        self._segments = []              # per bucket, the ranges summed
         self._ready = {}                 # bucket index by the layer that completes it
         self._hooked = False
         self._handles = []
@@ -141,18 +143,18 @@ class BucketedAllreduce(GradientSync):
         if not isinstance(net.param_diff, np.ndarray) and not self.transport.device_buffers:
             raise CaffeError("the %s transport needs host (NumPy) gradient buffers" % self.transport.name)
         if self.transport.overlaps_backward:
-            self.buckets = make_buckets(net, self.bucket_mb, self.first_bucket_mb)
+            self.buckets = make_buckets(net, self.bucket_mb, self.first_bucket_mb, self.exclude)
             self._ready = {b[0]: k for k, b in enumerate(self.buckets)}
             net.add_backward_hook(self.on_layer_backward)
             self._hooked = True
-            desc = "%d bucket(s) of %s MB" % (len(self.buckets), ", ".join(
-                "%.2f" % ((b[2] - b[1]) * net.param_diff.itemsize / 2 ** 20) for b in self.buckets))
         else:       # one bucket, started by finish
             self.buckets = [(0, 0, net.param_diff.size, sorted(set(net.param_layer_index)))]
-            desc = "one blocking allreduce of %.2f MB" % (net.param_diff.nbytes / 2 ** 20)
-        self._names = ["gradient bucket %d of %d (%.2f MB, %s)" % (
-            k + 1, len(self.buckets), (b[2] - b[1]) * net.param_diff.itemsize / 2 ** 20, self.transport.name)
-            for k, b in enumerate(self.buckets)]
+        self._segments = [bucket_segments(net, b, self.exclude) for b in self.buckets]
+        mb = [sum(e - s for s, e in segs) * net.param_diff.itemsize / 2 ** 20 for segs in self._segments]
+        self._names = ["gradient bucket %d of %d (%.2f MB, %s)" % (k + 1, len(mb), m, self.transport.name)
+                       for k, m in enumerate(mb)]
+        desc = ("%d bucket(s) of %s MB" % (len(mb), ", ".join("%.2f" % m for m in mb))
+                if self.transport.overlaps_backward else "one blocking allreduce of %.2f MB" % mb[0])
         if self.collectives.is_root:
             log.info("Data parallel over %d ranks (%s): %s", self.world.size, self.transport.name, desc)
 
@@ -196,9 +198,9 @@ class BucketedAllreduce(GradientSync):
         self._start(k)
 
     def _start(self, k):
-        _, s, e, _ = self.buckets[k]
         with self.world.watch(self._names[k]):
-            self._handles.append(self.transport.allreduce_start(self.net.param_diff[s:e]))
+            self._handles.append([self.transport.allreduce_start(self.net.param_diff[s:e])
+                                  for s, e in self._segments[k]])
 
     def finish(self, net):
         """Wait for the sums (means: backward ran with the net's
@@ -211,9 +213,10 @@ class BucketedAllreduce(GradientSync):
             # backward): started now, in bucket order
             for k in range(len(self._handles), len(self.buckets)):
                 self._start(k)
-            for k, h in enumerate(self._handles):
-                with self.world.watch(self._names[k], lambda h=h: self.transport.missing_ranks(h)):
-                    self.transport.wait(h)
+            for k, handles in enumerate(self._handles):
+                for h in handles:
+                    with self.world.watch(self._names[k], lambda h=h: self.transport.missing_ranks(h)):
+                        self.transport.wait(h)
         self._handles = []
         self._armed = False
         return time.perf_counter() - t0

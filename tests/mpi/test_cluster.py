@@ -39,18 +39,27 @@ def run(cluster, args, timeout=120, check=True):
     return p
 
 
-def test_two_hosts_over_tcp_train_as_one_process(cluster, data_dir):
+@pytest.fixture(scope="module")
+def one_process(data_dir):
     single([W, data_dir, 12, 6, "out=%s" % (data_dir / "one.npz"), "prefix=one"])
+    return np.load(data_dir / "one.npz")
+
+
+@pytest.mark.parametrize("sfb", ["off", "on"])
+def test_two_hosts_over_tcp_train_as_one_process(cluster, data_dir, one_process, sfb):
     before = cluster.link_bytes()
-    p = run(cluster, [W, data_dir, 12, 6, "out=%s" % (data_dir / "two.npz"), "prefix=two"])
+    out = data_dir / ("two_%s.npz" % sfb)
+    p = run(cluster, [W, data_dir, 12, 6, "out=%s" % out, "prefix=two" + sfb, "sfb=" + sfb])
     sent = [a[0] - b[0] for a, b in zip(cluster.link_bytes(), before)]
-    one, two = np.load(data_dir / "one.npz"), np.load(data_dir / "two.npz")
+    one, two = one_process, np.load(out)
     assert int(two["iter"]) == 6
     np.testing.assert_allclose(two["w"], one["w"], rtol=0, atol=1e-6)
     np.testing.assert_allclose(two["test"], one["test"], rtol=0, atol=1e-6)
-    # the gradients (2,601 floats a step) crossed the emulated link, over MPI (not shared memory)
+    # the gradients crossed the emulated link, over MPI (not shared memory):
+    # 2,601 floats a step, or with sufficient factors 2,208 (6 rows of 128, 36 and 21 columns) and the biases
     assert "mpi-host-overlap" in p.stderr
-    assert min(sent) > 6 * 2601 * 4, sent
+    assert min(sent) > 6 * (2601 if sfb == "off" else 2208) * 4, sent
+    assert p.stderr.count(": sufficient factors") == (3 if sfb == "on" else 0)
 
 
 def test_a_killed_rank_ends_the_job(cluster, data_dir):

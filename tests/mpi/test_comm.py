@@ -209,3 +209,41 @@ def test_strategies_and_transports_declare_their_interface():
     from caffempi.common import CaffeError
     with pytest.raises(CaffeError, match="unknown --comm 'fast'"):
         make_transport(SingleWorld(), "fast")
+
+
+def test_factor_cost_model_picks_factors_for_wide_layers_on_slow_links():
+    from caffempi.parallel.sfb import factor_plan
+    gbit = 1e9 / 8
+    # CaffeNet's fc6 (4096 x 9216) at 8 images a rank, 2 ranks, 1 Gbit/s: 151 MB
+    # of gradient (1.2 s) against 0.4 MB of factors and a 0.6 GFLOP GEMM
+    (use, full, sfb), = factor_plan([(8, 4096, 9216)], 2, gbit, 50e-6, 100e9)
+    assert use and 1.1 < full < 1.3 and sfb < 0.02
+    # LeNet's ip2 (10 x 500) at 64 images, in shared memory: the gather's two
+    # messages cost more than the 20 KB gradient
+    (use, full, sfb), = factor_plan([(64, 10, 500)], 2, 10e9, 20e-6, 100e9)
+    assert not use and sfb > full
+
+
+def test_layers_that_cannot_use_factors_say_why():
+    from caffempi.common import captured_log
+    from caffempi.parallel.sfb import SufficientFactorBroadcast
+    from caffempi.proto import caffe_pb2
+    from google.protobuf import text_format
+    sys.path.insert(0, str(WORKERS))
+    from nets import MLP
+    shared = MLP % {"b": 4}
+    shared = shared.replace('name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3"',
+                            'name: "ip3" type: "InnerProduct" bottom: "ip2" top: "ip3" param { name: "w3" }')
+    shared = shared.replace('layer { name: "loss"', 'layer { name: "ip3b" type: "InnerProduct" bottom: "ip2" '
+                            'top: "ip3b" param { name: "w3" } inner_product_param { num_output: 5 } }\n'
+                            'layer { name: "loss"')
+    from caffempi.net import Net
+    net = Net(text_format.Merge(shared, caffe_pb2.NetParameter()))
+    sfb = SufficientFactorBroadcast(SingleWorld(), mode="on")
+    with captured_log() as msgs:
+        names = [net.layer_names[i] for i, _, _, _ in sfb._eligible(net, 1)]
+    assert names == ["ip1", "ip2"]
+    assert any("layer 'ip3' keeps the allreduce (its weight is shared with another layer)" in m for m in msgs)
+    with captured_log() as msgs:
+        assert sfb._eligible(net, 2) == []
+    assert any("layer 'ip1' keeps the allreduce (iter_size 2: the factors" in m for m in msgs), msgs

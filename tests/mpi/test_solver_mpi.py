@@ -220,3 +220,22 @@ def test_watchdog_exits_by_itself_when_the_abort_cannot_reach_the_others():
     assert p.returncode == 1
     assert time.time() - t < 10
     assert "rank 3 waited 1 s for the test broadcast (ranks not joined: not known;" in p.stderr, p.stderr
+
+
+@needs_mpi
+@pytest.mark.parametrize("n,comm", [(2, "overlap"), (3, "auto"), (2, "blocking")])
+def test_sufficient_factors_equal_the_allreduce(data_dir, reference, n, comm):
+    """--sfb=on forms every InnerProduct weight gradient from the ranks'
+    gathered factors (one GEMM over all ranks' rows): the same training as
+    the allreduce and as one process, to float32 rounding."""
+    outs = {}
+    for sfb in ("off", "on"):
+        outs[sfb] = data_dir / ("sfb_%s_%d_%s.npz" % (sfb, n, comm))
+        p = mpirun(n, [W, data_dir, 12, 6, "out=%s" % outs[sfb], "comm=%s" % comm, "sfb=%s" % sfb,
+                       "prefix=sfb%s%d%s" % (sfb, n, comm)])
+        if sfb == "on":
+            assert p.stderr.count(": sufficient factors") == 3, p.stderr     # ip1, ip2, ip3
+    on, off = np.load(outs["on"]), np.load(outs["off"])
+    assert int(on["iter"]) == 6
+    np.testing.assert_allclose(on["w"], off["w"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(on["w"], reference["w"], rtol=0, atol=1e-6)
