@@ -41,17 +41,19 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from caffempi.parallel.sync import GradientSync  # noqa: E402
 
-NETS = {
-    "lenet": ("models/mnist/lenet_train_test.prototxt", (1, 28, 28)),
-    "cifar10_quick": ("models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32)),
+NETS = {      # name: (prototxt, image shape if the prototxt lacks it, batch a rank if not the prototxt's)
+    "lenet": ("models/mnist/lenet_train_test.prototxt", (1, 28, 28), None),
+    "cifar10_quick": ("models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32), None),
+    # 61M parameters, 96% of them in fc6-fc8 (../shared beside the checkout)
+    "caffenet": ("../shared/caffe-zoo/bvlc/models/bvlc_reference_caffenet/train_val.prototxt", None, 8),
 }
 
 def load_net_param(name):
     from caffempi.io import proto_io
     from caffempi.timing import substitute_data_layers
-    path, shape = NETS[name]
+    path, shape, batch = NETS[name]
     p = proto_io.read_net_param(str(REPO / path))
-    return substitute_data_layers(p, shape, only_unreadable=False, warn=False)
+    return substitute_data_layers(p, shape, only_unreadable=False, warn=False, batch_size=batch)
 
 
 # ------------------------------------------------------------------ worker
@@ -78,9 +80,10 @@ def _world_and_net(args, comm):
     from caffempi.net import Net
     from caffempi.parallel.comm import get_world
     from caffempi.parallel.collectives import Collectives
-    from caffempi.parallel.launch import install_abort_handlers
+    from caffempi.parallel.launch import init_rank_logging, install_abort_handlers
 
     world = get_world(comm)
+    init_rank_logging(world)          # rank 0's INFO lines: buckets, sufficient-factor choices
     install_abort_handlers(world)
     net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
     Collectives(world).broadcast_arrays([net.param_data])
@@ -88,10 +91,22 @@ def _world_and_net(args, comm):
 
 
 def _averager(world, comm, args):
+    from caffempi.parallel.sfb import SufficientFactorBroadcast
     from caffempi.parallel.sync import BucketedAllreduce
     if comm == "barrier":
         return Lockstep(world)
+    if getattr(args, "sfb", "off") != "off":
+        return SufficientFactorBroadcast(world, comm, args.bucket_mb, args.first_bucket_mb, args.sfb)
     return BucketedAllreduce(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+
+
+def _tx_bytes():
+    """Bytes this host's eth0 has sent (an emulated host's only link), or None."""
+    try:
+        with open("/sys/class/net/eth0/statistics/tx_bytes") as f:
+            return int(f.read())
+    except (OSError, ValueError):
+        return None
 
 
 def worker(args):
@@ -137,6 +152,7 @@ def worker(args):
 
     for _ in range(args.warmup):
         one(False)
+    tx0 = _tx_bytes()
     iter_times = []
     if args.slot:
         # Paired alternation: this run and the other kind (independent pair
@@ -169,11 +185,13 @@ def worker(args):
             one(True)
             iter_times.append(time.perf_counter() - t)
         elapsed = time.perf_counter() - t_start
+    tx1 = _tx_bytes()
+    link_bytes = (tx1 - tx0) / args.iters if tx0 is not None and tx1 is not None else None
     # the allreduce alone: a blocking sum of the whole gradient, and per bucket
     ar = []
     if world.size > 1:
         buf = np.ones_like(net.param_diff)
-        for k in range(args.iters):
+        for k in range(args.iters if args.allreduce_reps is None else args.allreduce_reps):
             world.barrier()
             t = time.perf_counter()
             world.allreduce_sum(buf)
@@ -199,6 +217,7 @@ def worker(args):
            "skew_ms": 1e3 * float(np.mean(skew)),
            "comm_exposed_ms": 1e3 * float(np.mean(np.maximum(np.array(exposed) - skew, 0.0))),
            "grad_mb": net.param_diff.nbytes / 2 ** 20,
+           "link_bytes_per_step": link_bytes,
            "buckets": [[b[0], int(b[2] - b[1])] for b in red.buckets],
            "layers": [{"name": n, "index": i, "backward_ms": 1e3 * layer_bw[i] / args.iters,
                        "params": int(sum(net.learnable_params[p].count for p, li in
@@ -246,7 +265,7 @@ def interleaved_worker(args):
 
 def run_interleaved(a, net, n):
     import numpy as np
-    res = _collect(*_start_mpi(a, net, a.comm, n, extra=["--interleave"]), a)[0]
+    res = collect(*_start_mpi(a, net, a.comm, n, extra=["--interleave"]), a)[0]
     ms = {m: 1e3 * np.array(t) for m, t in res["steps_s"].items()}
     ref = ms.get("barrier")
     for m, t in ms.items():
@@ -258,7 +277,7 @@ def run_interleaved(a, net, n):
 
 
 # ------------------------------------------------------------------ driver
-def _env():
+def bench_env():
     e = dict(os.environ)
     e["OPENBLAS_NUM_THREADS"] = e["OMP_NUM_THREADS"] = e["MKL_NUM_THREADS"] = "1"
     e["PYTHONPATH"] = str(REPO) + os.pathsep + e.get("PYTHONPATH", "")
@@ -272,32 +291,34 @@ def _mpiexec():
     return str(cand) if cand.exists() else "mpiexec"
 
 
-def _worker_args(a, net, comm, out, slot=None):
+def worker_args(a, net, comm, out, slot=None):
     args = [sys.executable, __file__, "--worker", "--net", net, "--comm", comm, "--iters", str(a.iters),
             "--warmup", str(a.warmup), "--bucket_mb", str(a.bucket_mb),
-            "--first_bucket_mb", str(a.first_bucket_mb), "--out", out]
+            "--first_bucket_mb", str(a.first_bucket_mb), "--sfb", getattr(a, "sfb", "off"), "--out", out]
+    if getattr(a, "allreduce_reps", None) is not None:
+        args += ["--allreduce_reps", str(a.allreduce_reps)]
     if slot:
         args += ["--slot", str(slot[0]), "--slots", str(slot[1]), "--t0", repr(slot[2]),
                  "--parity", str(slot[3])]
     return args
 
 
-def _start_independent(a, net, n, slot=None):
+def start_independent(a, net, n, slot=None):
     outs = [tempfile.mktemp(suffix=".json") for _ in range(n)]
-    env = _env()
+    env = bench_env()
     env["CAFFEMPI_MPI"] = "0"
-    procs = [subprocess.Popen(_worker_args(a, net, "blocking", o, slot), env=env) for o in outs]
+    procs = [subprocess.Popen(worker_args(a, net, "blocking", o, slot), env=env) for o in outs]
     return procs, outs
 
 
 def _start_mpi(a, net, comm, n, slot=None, extra=()):
     out = tempfile.mktemp(suffix=".json")
-    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + _worker_args(a, net, comm, out, slot) + list(extra),
-                         env=_env())
+    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + worker_args(a, net, comm, out, slot) + list(extra),
+                         env=bench_env())
     return [p], [out]
 
 
-def _collect(procs, outs, a):
+def collect(procs, outs, a):
     for p in procs:
         if p.wait(timeout=a.timeout) != 0:
             raise SystemExit("a benchmark run failed")
@@ -310,20 +331,20 @@ def _collect(procs, outs, a):
 
 
 def run_independent(a, net, n):
-    return _collect(*_start_independent(a, net, n), a)
+    return collect(*start_independent(a, net, n), a)
 
 
 def run_mpi(a, net, comm, n):
-    return _collect(*_start_mpi(a, net, comm, n), a)
+    return collect(*_start_mpi(a, net, comm, n), a)
 
 
 def run_paired(a, net, comm, n):
     """The independent pair and the MPI job alive together, taking turns."""
     slot = a.slot if a.slot else {"lenet": 0.8}.get(net, 3.0)
     t0 = time.time() + a.startup
-    pi, oi = _start_independent(a, net, n, (slot, a.slots, t0, 1))
+    pi, oi = start_independent(a, net, n, (slot, a.slots, t0, 1))
     pm, om = _start_mpi(a, net, comm, n, (slot, a.slots, t0, 0))
-    return _collect(pi, oi, a), _collect(pm, om, a)
+    return collect(pi, oi, a), collect(pm, om, a)
 
 
 def summarize(res):
@@ -368,6 +389,9 @@ def main():
     ap.add_argument("--t0", type=float, help=argparse.SUPPRESS)
     ap.add_argument("--parity", type=int, default=0, help=argparse.SUPPRESS)
     ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--allreduce_reps", type=int, default=None,
+                    help="times the whole gradient's allreduce is timed alone after the run (default --iters)")
+    ap.add_argument("--sfb", default="off", help="sufficient factors for InnerProduct layers: off, on or auto")
     ap.add_argument("--interleave", action="store_true",
                     help="instead: one --ranks job per net that takes the --comm modes (of shm, overlap, "
                          "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "

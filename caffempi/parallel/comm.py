@@ -305,7 +305,8 @@ def get_world(comm=None):
     """This process's world (created on first use; MPI imported only if needed).
 
     ``comm`` is the gradient mode (``--comm``), which the first call decides
-    for the process's MPI: ``thread`` needs MPI_THREAD_MULTIPLE, since the
+    for the process's MPI: ``thread``, and ``auto`` (which takes it across
+    hosts with one rank a host), need MPI_THREAD_MULTIPLE, since the
     communication thread calls MPI beside the main one; every other mode
     calls MPI from the main thread only (the data threads hand their errors
     to it) and asks for MPI_THREAD_FUNNELED, since under MULTIPLE MPICH
@@ -319,7 +320,7 @@ def get_world(comm=None):
         return _world
     try:
         import mpi4py
-        mpi4py.rc.thread_level = "multiple" if comm == "thread" else "funneled"
+        mpi4py.rc.thread_level = "multiple" if comm in ("thread", "auto") else "funneled"
         from mpi4py import MPI
     except Exception as e:  # ImportError, or a broken MPI shared library
         n = _launcher_size()

@@ -137,8 +137,10 @@ def share_cores(world=None):
 def add_parallel_flags(define_flag):
     """The data-parallel flags, defined through the CLI's define_flag."""
     define_flag("comm", "auto", "Optional; gradient averaging: auto (CPU nets: shm when every rank is "
-                "on one host, else overlap; GPU nets: nccl when NCCL can join the ranks, else overlap), "
+                "on one host, hierarchical when the ranks span hosts and some host has several, else "
+                "thread; GPU nets: nccl when NCCL can join the ranks, else overlap), "
                 "shm (ranks of one host sum in shared memory, whichever waits doing the sums), "
+                "hierarchical (sum on each host, then across hosts by one rank a host, then share), "
                 "overlap (MPI Iallreduce per bucket during backward, polled between layers), thread "
                 "(a communication thread), async (MPICH progress thread), nopoll, blocking (one "
                 "allreduce after backward), or nccl (GPU: NCCL per bucket on a side stream).")

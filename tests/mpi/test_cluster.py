@@ -32,8 +32,9 @@ def data_dir(tmp_path_factory):
     return tmp_path_factory.mktemp("clusterdata")
 
 
-def run(cluster, args, timeout=120, check=True):
-    p = cluster.mpiexec([sys.executable] + [str(a) for a in args], env=env(), timeout=timeout, cwd=str(REPO))
+def run(cluster, args, timeout=120, check=True, ranks_per_host=1):
+    p = cluster.mpiexec([sys.executable] + [str(a) for a in args], ranks_per_host, env=env(), timeout=timeout,
+                        cwd=str(REPO))
     if check and p.returncode:
         raise AssertionError("exit %d\n%s\n%s" % (p.returncode, p.stdout, p.stderr))
     return p
@@ -60,6 +61,22 @@ def test_two_hosts_over_tcp_train_as_one_process(cluster, data_dir, one_process,
     assert "mpi-host-overlap" in p.stderr
     assert min(sent) > 6 * (2601 if sfb == "off" else 2208) * 4, sent
     assert p.stderr.count(": sufficient factors") == (3 if sfb == "on" else 0)
+
+
+@pytest.mark.parametrize("ppn,transport", [(1, "mpi-host-thread"), (2, "hierarchical")])
+def test_comm_auto_across_hosts(cluster, data_dir, one_process, ppn, transport):
+    """--comm=auto: with one rank a host a communication thread sums the
+    buckets; with 2 hosts x 2 ranks the sums are host-aware (on the host,
+    across hosts by one rank each, shared back).  The cores are
+    oversubscribed there: this checks the result, not the speed."""
+    out = data_dir / ("auto_%d.npz" % ppn)
+    p = run(cluster, [W, data_dir, 12, 6, "out=%s" % out, "prefix=auto%d" % ppn, "comm=auto"],
+            ranks_per_host=ppn, timeout=180)
+    assert "Data parallel over %d ranks (%s)" % (2 * ppn, transport) in p.stderr, p.stderr
+    got = np.load(out)
+    assert int(got["iter"]) == 6
+    np.testing.assert_allclose(got["w"], one_process["w"], rtol=0, atol=1e-6)
+    np.testing.assert_allclose(got["test"], one_process["test"], rtol=0, atol=1e-6)
 
 
 def test_a_killed_rank_ends_the_job(cluster, data_dir):

@@ -52,7 +52,8 @@ def reference(data_dir):
 
 
 @needs_mpi
-@pytest.mark.parametrize("n,comm", [(2, "overlap"), (2, "blocking"), (3, "thread"), (3, "auto")])
+@pytest.mark.parametrize("n,comm", [(2, "overlap"), (2, "blocking"), (3, "thread"), (3, "auto"),
+                                    (3, "hierarchical")])
 def test_solver_ranks_match_single_process(data_dir, reference, n, comm):
     out = data_dir / ("n%d_%s.npz" % (n, comm))
     mpirun(n, [W, data_dir, 12, 6, "out=%s" % out, "comm=%s" % comm, "prefix=n%d%s" % (n, comm)])

@@ -8,8 +8,13 @@ where the buffers live:
 --comm     NumPy buffers (CPU nets)             CuPy buffers (GPU nets)
 =========  ===================================  ======================================
 auto       shm when every rank is on this host  nccl when NCCL can join the ranks,
-           and /dev/shm has room, else overlap  else overlap through pinned copies
+           and /dev/shm has room; hierarchical  else overlap through pinned copies
+           when the ranks span several hosts
+           and some host has several; else
+           thread (overlap without
+           MPI_THREAD_MULTIPLE)
 shm        shm (else overlap, with a warning)   refused
+hierarch.  hierarchical.HierarchicalTransport   refused
 overlap    mpi.OverlapTransport                 staged.StagedTransport(overlap)
 nopoll     mpi.IallreduceTransport              staged (nopoll)
 async      mpi.AsyncProgressTransport           staged (async)
@@ -27,9 +32,10 @@ import numpy as np
 from ...common import CaffeError, log
 from .base import LocalTransport, Transport  # noqa: F401  (the interface)
 from .mpi import HOST_TRANSPORTS
+from .hierarchical import HierarchicalTransport
 from .shm import make_shm_transport
 
-COMM_MODES = ("auto", "shm", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
+COMM_MODES = ("auto", "shm", "hierarchical", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
 
 
 def check_comm_mode(mode):
@@ -47,14 +53,12 @@ def make_transport(world, mode="overlap", xp=np, nbytes=0):
     if xp is np:
         if mode == "nccl":
             raise CaffeError("--comm=nccl needs GPU nets (--gpu)")
-        if mode in ("auto", "shm"):
-            transport = make_shm_transport(world, nbytes, asked=mode == "shm")
-            if transport is not None:
-                return transport
-            mode = "overlap"
+        if mode in ("auto", "shm", "hierarchical"):
+            return _by_host(world, mode, nbytes)
         return HOST_TRANSPORTS[mode](world)
-    if mode == "shm":
-        raise CaffeError("--comm=shm needs CPU nets (GPU nets: nccl, or overlap through pinned host copies)")
+    if mode in ("shm", "hierarchical"):
+        raise CaffeError("--comm=%s needs CPU nets (GPU nets: nccl, or overlap through pinned host copies)"
+                         % mode)
     from . import nccl, staged
     if mode in ("auto", "nccl"):
         reason = nccl.nccl_unavailable_reason(world)
@@ -66,3 +70,26 @@ def make_transport(world, mode="overlap", xp=np, nbytes=0):
             log.warning("NCCL not used (%s): gradients go through host memory and MPI", reason)
         mode = "overlap"
     return staged.StagedTransport(HOST_TRANSPORTS[mode](world))
+
+
+def _by_host(world, mode, nbytes):
+    """auto, shm and hierarchical: the choice by where the ranks are
+    (collective; every rank reaches the same one)."""
+    MPI = world.MPI
+    host = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
+    one_host = host.size == world.size
+    crowded = world.allreduce_scalars([host.size], "max", "the count of ranks per host")[0] > 1
+    if one_host and mode in ("auto", "shm"):
+        transport = make_shm_transport(world, host, nbytes, asked=mode == "shm")
+        return transport or HOST_TRANSPORTS["overlap"](world)
+    if mode == "hierarchical" or (mode == "auto" and crowded and not one_host):
+        return HierarchicalTransport(world, host)
+    host.Free()
+    if mode == "shm" and world.rank == 0:
+        log.warning("--comm=shm: the ranks are on more than one host; using --comm=overlap")
+    if mode == "auto" and world.thread_level >= MPI.THREAD_MULTIPLE:
+        # one rank a host: a communication thread keeps the sums moving over
+        # the network while backward computes (polled Iallreduces progress
+        # too slowly over TCP: docs/design/parallel.md)
+        return HOST_TRANSPORTS["thread"](world)
+    return HOST_TRANSPORTS["overlap"](world)

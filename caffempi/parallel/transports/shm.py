@@ -35,30 +35,27 @@ MAX_BUCKETS = 4096             # buckets in one iteration (flags reserved for)
 SHM_DIR = "/dev/shm"           # where MPICH keeps the window's memory (a tmpfs)
 
 
-def make_shm_transport(world, capacity_bytes, asked):
-    """The shm transport when every rank is on this host and its shared
-    memory has room for the window, else None (then the caller uses MPI).
+def make_shm_transport(world, host, capacity_bytes, asked):
+    """The shm transport over ``host`` (the ranks of this host, all of the
+    world's; the transport takes it over) when its shared memory has room
+    for the window, else None, ``host`` freed (the caller uses MPI).
     Collective."""
     MPI = world.MPI
-    host = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
-    if host.size == world.size:
-        # Past the tmpfs's size the window's pages cannot be had, and the
-        # first rank to touch one dies of SIGBUS with no message (a
-        # container's /dev/shm is 64 MB unless docker run --shm-size).
-        # Segments rounded to 64 KB, and 1 MB to spare, for MPICH's alignment.
-        need = sum(-(-_layout(capacity_bytes, q)[3] // 65536) * 65536 for q in range(host.size)) + 2 ** 20
-        free = host.bcast(free_bytes(SHM_DIR) if host.rank == 0 else None, 0)
-        if free is not None and free < need:
-            reason = ("%s has %.1f MB free and the sums need %.1f MB (give it more, e.g. docker run "
-                      "--shm-size)" % (SHM_DIR, free / 2 ** 20, need / 2 ** 20))
-            asked = True            # worth saying even when nobody asked for shm
-        else:
-            try:
-                return SharedMemoryTransport(world, host, capacity_bytes)
-            except MPI.Exception as e:
-                reason = "no shared window of %.1f MB (%s)" % (need / 2 ** 20, e.Get_error_string())
+    # Past the tmpfs's size the window's pages cannot be had, and the
+    # first rank to touch one dies of SIGBUS with no message (a
+    # container's /dev/shm is 64 MB unless docker run --shm-size).
+    # Segments rounded to 64 KB, and 1 MB to spare, for MPICH's alignment.
+    need = sum(-(-_layout(capacity_bytes, q)[3] // 65536) * 65536 for q in range(host.size)) + 2 ** 20
+    free = host.bcast(free_bytes(SHM_DIR) if host.rank == 0 else None, 0)
+    if free is not None and free < need:
+        reason = ("%s has %.1f MB free and the sums need %.1f MB (give it more, e.g. docker run "
+                  "--shm-size)" % (SHM_DIR, free / 2 ** 20, need / 2 ** 20))
+        asked = True            # worth saying even when nobody asked for shm
     else:
-        reason = "the ranks are on more than one host"
+        try:
+            return SharedMemoryTransport(world, host, capacity_bytes)
+        except MPI.Exception as e:
+            reason = "no shared window of %.1f MB (%s)" % (need / 2 ** 20, e.Get_error_string())
     host.Free()
     if asked and world.rank == 0:
         log.warning("--comm=shm: %s; using --comm=overlap", reason)
