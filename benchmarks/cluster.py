@@ -2,8 +2,10 @@
 """2 emulated hosts over TCP links of a given rate (caffempi.testing.cluster;
 run as root): for each net, the independent pair (two single processes at
 once on this machine, the same per-rank batch and 1 BLAS thread each) and
-the 2-host job in each mode, with its efficiency (aggregate images/s over
-the pair's) and the bytes each host sent per step.
+the 2-host job in each mode, alive together and taking turns in time slots
+(as benchmarks/scaling.py pairs them) so that both see the same load, with
+the job's efficiency (aggregate images/s over the pair's) and the bytes each
+host sent per step.
 
     sudo .venv/bin/python benchmarks/cluster.py --nets caffenet --rates 1gbit
     sudo .venv/bin/python benchmarks/cluster.py --nets lenet,cifar10_quick,caffenet \\
@@ -13,11 +15,12 @@ Modes: blocking (--sfb=off, one allreduce after backward), overlap (--sfb=off,
 bucketed Iallreduce polled during backward), default (--comm=auto --sfb=auto,
 caffempi train's defaults: across hosts a communication thread sums the
 buckets, and the cost model chooses sufficient factors per layer; the
-choices are printed).  CaffeNet is BVLC's
+choices are printed), fp16 (the defaults with --comm_dtype=fp16).  CaffeNet is BVLC's
 reference prototxt from ../shared, with random input, 8 images a rank.
 """
 import argparse
 import json
+import subprocess
 import sys
 import tempfile
 import time
@@ -29,63 +32,83 @@ sys.path.insert(0, str(HERE.parent))
 import scaling  # noqa: E402
 from caffempi.testing.cluster import Cluster, unavailable_reason  # noqa: E402
 
-MODES = {"blocking": ("blocking", "off"), "overlap": ("overlap", "off"), "default": ("auto", "auto")}
+# mode: (--comm, --sfb, --comm_dtype)
+MODES = {"blocking": ("blocking", "off", "fp32"), "overlap": ("overlap", "off", "fp32"),
+         "default": ("auto", "auto", "fp32"), "fp16": ("auto", "auto", "fp16")}
 
 
-def run_job(cluster, a, net, mode):
-    comm, sfb = MODES[mode]
-    a.sfb = sfb
+def run_paired(cluster, a, net, mode):
+    """The independent pair (here) and the 2-host job alive together, taking
+    turns in time slots (scaling.py's pairing), so both see the same load."""
+    comm, a.sfb, a.comm_dtype = MODES[mode]
+    slot = a.slot or {"lenet": 0.8, "cifar10_quick": 3.0}.get(net, 4.0 if mode == "default" else 10.0)
+    t0 = time.time() + a.startup
+    procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1))
     out = tempfile.mktemp(suffix=".json")
-    t = time.time()
-    p = cluster.mpiexec(scaling.worker_args(a, net, comm, out), env=scaling.bench_env(), timeout=a.timeout)
-    if p.returncode:
-        raise SystemExit("the %s job on %s failed:\n%s" % (mode, net, p.stderr[-3000:]))
+    job = cluster.popen(scaling.worker_args(a, net, comm, out, (slot, a.slots, t0, 0)), env=scaling.bench_env(),
+                        stderr=subprocess.PIPE, text=True)
+    _, err = job.communicate(timeout=a.timeout)
+    if job.returncode:
+        raise SystemExit("the %s job on %s failed:\n%s" % (mode, net, err[-3000:]))
+    pair = scaling.collect(procs, outs, a)
     res = scaling.collect([], [out], a)
-    choices = [line.split("] ", 1)[-1] for line in p.stderr.splitlines() if "Sufficient factors:" in line]
-    return res, time.time() - t, choices
+    choices = [line.split("] ", 1)[-1] for line in err.splitlines() if "Sufficient factors:" in line]
+    return pair, res, choices
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--nets", default="caffenet")
     ap.add_argument("--rates", default="1gbit", help="tc rates, e.g. 100mbit,1gbit,10gbit ('none': no limit)")
-    ap.add_argument("--modes", default="blocking,overlap,default")
+    ap.add_argument("--modes", default="blocking,overlap,default,fp16",
+                    help="modes of the 2-host job, or 'pair' (the independent pair's profile alone)")
     ap.add_argument("--iters", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=2)
     ap.add_argument("--bucket_mb", type=float, default=4.0)
     ap.add_argument("--first_bucket_mb", type=float, default=1.0)
     ap.add_argument("--timeout", type=int, default=1800)
+    ap.add_argument("--slot", type=float, default=None, help="seconds a turn (default by net and mode)")
+    ap.add_argument("--slots", type=int, default=10, help="turns of each kind")
+    ap.add_argument("--startup", type=float, default=25.0, help="seconds allowed for start-up (CaffeNet's "
+                    "initial weights take 2 s to cross a 1 Gbit/s link)")
     ap.add_argument("--json", help="write all results here")
     a = ap.parse_args()
     a.allreduce_reps = 1          # the whole gradient alone, once: 244 MB on a slow link
-    reason = unavailable_reason()
+    reason = None if a.modes == "pair" else unavailable_reason()
     if reason:
         raise SystemExit("benchmarks/cluster.py: %s" % reason)
     results = []
-    print("2 emulated hosts, one rank each, 1 BLAS thread a process; efficiency = 2-host images/s "
-          "over the independent pair's")
-    print("%-14s %-8s %-9s %9s %8s %10s %12s" % ("net", "rate", "run", "img/s", "eff.", "step ms",
-                                                 "MB/step/host"))
+    print("2 emulated hosts, one rank each, 1 BLAS thread a process, the pair and the job taking turns; "
+          "efficiency = 2-host images/s over the independent pair's")
+    print("%-14s %-8s %-9s %9s %9s %8s %10s %10s %12s" % ("net", "rate", "mode", "pair img/s", "img/s", "eff.",
+                                                          "pair ms", "step ms", "MB/step/host"))
     for net in a.nets.split(","):
-        pair = scaling.summarize(scaling.collect(*scaling.start_independent(a, net, 2), a))
-        print("%-14s %-8s %-9s %9.1f %8s %10.1f %12s" % (net, "-", "pair", pair["images_per_s"], "",
-                                                         pair["step_ms"], ""))
+        if a.modes == "pair":           # the profile alone (tools/scaling_model.py's host table)
+            pair_runs = scaling.collect(*scaling.start_independent(a, net, 2), a)
+            pair = scaling.summarize(pair_runs)
+            print("%-14s %-8s %-9s %9.1f %9s %8s %10.1f" % (net, "-", "pair", pair["images_per_s"], "", "",
+                                                           pair["step_ms"]), flush=True)
+            results.append({"net": net, "rate": None, "mode": "pair", "pair_runs": pair_runs,
+                            "pair_images_per_s": pair["images_per_s"], "pair_step_ms": pair["step_ms"]})
+            continue
         for rate in a.rates.split(","):
             with Cluster(2, None if rate == "none" else rate) as cluster:
                 for mode in a.modes.split(","):
-                    res, wall, choices = run_job(cluster, a, net, mode)
-                    s = scaling.summarize(res)
+                    pair_runs, res, choices = run_paired(cluster, a, net, mode)
+                    pair, s = scaling.summarize(pair_runs), scaling.summarize(res)
                     eff = s["images_per_s"] / pair["images_per_s"]
                     sent = [r["link_bytes_per_step"] for r in res if r.get("link_bytes_per_step") is not None]
                     mb = max(sent) / 2 ** 20 if sent else float("nan")
-                    print("%-14s %-8s %-9s %9.1f %8.3f %10.1f %12.2f" % (net, rate, mode, s["images_per_s"],
-                                                                        eff, s["step_ms"], mb))
+                    print("%-14s %-8s %-9s %9.1f %9.1f %8.3f %10.1f %10.1f %12.2f" % (
+                        net, rate, mode, pair["images_per_s"], s["images_per_s"], eff, pair["step_ms"],
+                        s["step_ms"], mb), flush=True)
                     for c in choices:
                         print("    " + c)
                     results.append({"net": net, "rate": rate, "mode": mode, "efficiency": eff,
                                     "images_per_s": s["images_per_s"], "step_ms": s["step_ms"],
                                     "pair_images_per_s": pair["images_per_s"], "pair_step_ms": pair["step_ms"],
-                                    "link_mb_per_step": mb, "wall_s": wall, "choices": choices, "runs": res})
+                                    "link_mb_per_step": mb, "choices": choices, "runs": res,
+                                    "pair_runs": pair_runs})
     if a.json:
         with open(a.json, "w") as f:
             json.dump(results, f, indent=1)

@@ -46,6 +46,9 @@ NETS = {      # name: (prototxt, image shape if the prototxt lacks it, batch a r
     "cifar10_quick": ("models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32), None),
     # 61M parameters, 96% of them in fc6-fc8 (../shared beside the checkout)
     "caffenet": ("../shared/caffe-zoo/bvlc/models/bvlc_reference_caffenet/train_val.prototxt", None, 8),
+    "alexnet": ("../shared/caffe-zoo/bvlc/models/bvlc_alexnet/train_val.prototxt", None, 8),
+    # 138M parameters, 89% of them in fc6-fc8
+    "vgg16": ("benchmarks/nets/vgg16.prototxt", None, None),
 }
 
 def load_net_param(name):
@@ -96,8 +99,10 @@ def _averager(world, comm, args):
     if comm == "barrier":
         return Lockstep(world)
     if getattr(args, "sfb", "off") != "off":
-        return SufficientFactorBroadcast(world, comm, args.bucket_mb, args.first_bucket_mb, args.sfb)
-    return BucketedAllreduce(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb)
+        return SufficientFactorBroadcast(world, comm, args.bucket_mb, args.first_bucket_mb, args.sfb,
+                                         comm_dtype=args.comm_dtype)
+    return BucketedAllreduce(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
+                             comm_dtype=args.comm_dtype)
 
 
 def _tx_bytes():
@@ -196,6 +201,7 @@ def worker(args):
             t = time.perf_counter()
             world.allreduce_sum(buf)
             ar.append(time.perf_counter() - t)
+    factor_layers = {i for i, _, _ in getattr(red, "factor_layers", [])}
     red.close()
     # exposed time = waiting for the slower rank to finish its backward
     # (skew) + communication left after the last rank's backward
@@ -221,7 +227,10 @@ def worker(args):
            "buckets": [[b[0], int(b[2] - b[1])] for b in red.buckets],
            "layers": [{"name": n, "index": i, "backward_ms": 1e3 * layer_bw[i] / args.iters,
                        "params": int(sum(net.learnable_params[p].count for p, li in
-                                         enumerate(net.param_layer_index) if li == i))}
+                                         enumerate(net.param_layer_index) if li == i)),
+                       # (M, N, K) of a layer with sufficient factors (the scaling model's SFB)
+                       "factors": net.layers[i].factor_shape(),
+                       "factors_used": i in factor_layers}
                       for i, n in enumerate(net.layer_names)]}
     res_all = world.allgather(res) if world.size > 1 else [res]
     if world.rank == 0:
@@ -294,7 +303,8 @@ def _mpiexec():
 def worker_args(a, net, comm, out, slot=None):
     args = [sys.executable, __file__, "--worker", "--net", net, "--comm", comm, "--iters", str(a.iters),
             "--warmup", str(a.warmup), "--bucket_mb", str(a.bucket_mb),
-            "--first_bucket_mb", str(a.first_bucket_mb), "--sfb", getattr(a, "sfb", "off"), "--out", out]
+            "--first_bucket_mb", str(a.first_bucket_mb), "--sfb", getattr(a, "sfb", "off"),
+            "--comm_dtype", getattr(a, "comm_dtype", "fp32"), "--out", out]
     if getattr(a, "allreduce_reps", None) is not None:
         args += ["--allreduce_reps", str(a.allreduce_reps)]
     if slot:
@@ -392,6 +402,7 @@ def main():
     ap.add_argument("--allreduce_reps", type=int, default=None,
                     help="times the whole gradient's allreduce is timed alone after the run (default --iters)")
     ap.add_argument("--sfb", default="off", help="sufficient factors for InnerProduct layers: off, on or auto")
+    ap.add_argument("--comm_dtype", default="fp32", help="fp32, or fp16 (buckets and factors sent as float16)")
     ap.add_argument("--interleave", action="store_true",
                     help="instead: one --ranks job per net that takes the --comm modes (of shm, overlap, "
                          "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "

@@ -242,7 +242,8 @@ def train(flags):
     from .parallel.launch import setup_parallel
     world, sync = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
                                  debug=flags.debug, comm_timeout=flags.comm_timeout, sfb=flags.sfb,
-                                 link_gbps=flags.link_gbps, gemm_gflops=flags.gemm_gflops)
+                                 link_gbps=flags.link_gbps, gemm_gflops=flags.gemm_gflops,
+                                 comm_dtype=flags.comm_dtype)
     xp = select_backend(flags, param, world)
     tune_allocator()        # a start-up step of the command, not of building a Net
     handler = SignalHandler(effects)

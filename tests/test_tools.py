@@ -151,3 +151,34 @@ def test_scaling_model_straggler_term():
     base = scaling_model.predict(prof, 64, 5e-6, 1e-9, "blocking")[0]
     with_jitter = scaling_model.predict(prof, 64, 5e-6, 1e-9, "blocking", jitter=1e-3)[0]
     assert with_jitter - base == pytest.approx(1e-3 * e(64))
+
+
+def test_scaling_model_sufficient_factors():
+    """A 4096 x 9216 layer at 8 rows a rank on 2 ranks over 1 Gbit/s: its
+    151 MB weight gradient becomes 0.4 MB of factors a rank and one GEMM
+    over both ranks' rows after backward, in place of its own dW product."""
+    gemm = 100e9
+    layers = [{"name": "conv", "index": 0, "backward_ms": 50.0, "params": 1000},
+              {"name": "fc6", "index": 1, "backward_ms": 20.0, "params": 4096 * 9216 + 4096,
+               "factors": [8, 4096, 9216]}]
+    prof = {"forward_ms": 30.0, "compute_ms": 110.0, "layers": layers}
+    alpha, beta = 50e-6, 8 / 1e9
+    full = scaling_model.predict(prof, 2, alpha, beta, "overlap", gemm_rate=gemm)
+    sfb = scaling_model.predict(prof, 2, alpha, beta, "overlap", factors={1}, gemm_rate=gemm)
+    local = 2.0 * 8 * 4096 * 9216 / gemm
+    gather = scaling_model.gather_time(8 * (4096 + 9216) * 4, 2, alpha, beta)
+    bias_and_conv = scaling_model.ring_time((4096 + 1000) * 4, 2, alpha, beta)
+    # backward loses the local product; the gather (ready after fc6's
+    # backward) and the small buckets cross the link during conv's backward;
+    # the GEMM over 16 rows (twice the local product) follows backward
+    assert gather < 50e-3
+    assert sfb[1] == pytest.approx(2 * local)
+    assert sfb[0] == pytest.approx(110e-3 - local + 2 * local)
+    assert sfb[0] < full[0] / 10
+    assert full[1] > 1.0                        # 151 MB at 1 Gbit/s
+    # the choice is --sfb=auto's: factors on the slow link, not for a tiny layer on a fast one
+    assert scaling_model.factor_choice(prof, 2, alpha, beta, gemm) == {1}
+    tiny = {"forward_ms": 1.0, "compute_ms": 3.0, "layers": [
+        {"name": "ip", "index": 0, "backward_ms": 1.0, "params": 5010, "factors": [64, 10, 500]}]}
+    assert scaling_model.factor_choice(tiny, 2, 20e-6, 1 / 10e9, gemm) == set()
+    assert gather < 0.01 and bias_and_conv < 0.001

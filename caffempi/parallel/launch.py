@@ -13,7 +13,7 @@ from .comm import get_world
 from .easgd import ElasticAveraging
 from .sfb import SFB_MODES, SufficientFactorBroadcast
 from .sync import BucketedAllreduce
-from .transports import check_comm_mode
+from .transports import COMM_DTYPES, check_comm_mode
 from .watchdog import DEFAULT_TIMEOUT
 
 
@@ -156,6 +156,8 @@ def add_parallel_flags(define_flag):
                 "(0: measured at start-up).")
     define_flag("gemm_gflops", 0.0, "Optional; the GEMM rate the --sfb cost model assumes, in GFLOP/s "
                 "(0: measured at start-up).")
+    define_flag("comm_dtype", "fp32", "Optional; fp16 sends gradient buckets and sufficient factors as "
+                "float16, summed in float32 (half the bytes; CPU nets), or fp32.")
     define_flag("comm_timeout", DEFAULT_TIMEOUT, "Optional; seconds a rank may wait in one collective "
                 "(gradient bucket, agreement, broadcast) before it names what it waited for and ends the "
                 "job; 0: wait forever.")
@@ -171,26 +173,30 @@ def init_process(comm):
 
 
 def make_gradient_sync(world, sync="sgd", comm="auto", bucket_mb=None, tau=10, alpha=0.2, sfb="off",
-                       link_gbps=0.0, gemm_gflops=0.0):
+                       link_gbps=0.0, gemm_gflops=0.0, comm_dtype="fp32"):
     """The strategy for ``--sync`` (sgd: :class:`BucketedAllreduce` over
     ``--comm``, with sufficient factors unless ``sfb`` is off; easgd:
     :class:`ElasticAveraging`, which sends no gradients)."""
     check_comm_mode(comm)
+    if comm_dtype not in COMM_DTYPES:
+        raise CaffeError("unknown --comm_dtype '%s' (fp32 or fp16)" % comm_dtype)
     if sfb not in SFB_MODES:
         raise CaffeError("unknown --sfb '%s' (auto, on or off)" % sfb)
     if sync == "sgd":
         bucket = DEFAULT_BUCKET_MB if bucket_mb is None else float(bucket_mb)
         first = min(bucket, DEFAULT_FIRST_BUCKET_MB)
         if sfb != "off":
-            return SufficientFactorBroadcast(world, comm, bucket, first, sfb, link_gbps, gemm_gflops)
-        return BucketedAllreduce(world, comm, bucket, first)
+            return SufficientFactorBroadcast(world, comm, bucket, first, sfb, link_gbps, gemm_gflops,
+                                             comm_dtype=comm_dtype)
+        return BucketedAllreduce(world, comm, bucket, first, comm_dtype=comm_dtype)
     if sync == "easgd":
         return ElasticAveraging(world, tau, alpha)
     raise CaffeError("unknown --sync '%s' (sgd or easgd)" % sync)
 
 
 def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
-                   level=logging.INFO, comm_timeout=DEFAULT_TIMEOUT, sfb="off", link_gbps=0.0, gemm_gflops=0.0):
+                   level=logging.INFO, comm_timeout=DEFAULT_TIMEOUT, sfb="off", link_gbps=0.0, gemm_gflops=0.0,
+                   comm_dtype="fp32"):
     """Everything a rank does before building its solver: the process
     settings for ``comm``, the world (MPI only under a launcher), per-rank
     logging, abort on errors, the collective watchdog (``comm_timeout``
@@ -206,7 +212,8 @@ def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, d
         log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
                  world.processor_name())
     share_cores(world)
-    return world, make_gradient_sync(world, sync, comm, bucket_mb, tau, alpha, sfb, link_gbps, gemm_gflops)
+    return world, make_gradient_sync(world, sync, comm, bucket_mb, tau, alpha, sfb, link_gbps, gemm_gflops,
+                                     comm_dtype)
 
 
 def exit_code(rc, world=None):

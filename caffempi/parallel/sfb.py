@@ -53,12 +53,12 @@ class SufficientFactorBroadcast(BucketedAllreduce):
     on (every eligible layer), off (none)."""
 
     def __init__(self, world, comm="overlap", bucket_mb=None, first_bucket_mb=None, mode="auto",
-                 link_gbps=0.0, gemm_gflops=0.0, transport=None):
+                 link_gbps=0.0, gemm_gflops=0.0, transport=None, comm_dtype="fp32"):
         if mode not in SFB_MODES:
             raise CaffeError("unknown --sfb '%s' (auto, on or off)" % mode)
         kwargs = {k: v for k, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb))
                   if v is not None}
-        super().__init__(world, comm, transport=transport, **kwargs)
+        super().__init__(world, comm, transport=transport, comm_dtype=comm_dtype, **kwargs)
         self.mode = mode
         self.link_gbps = float(link_gbps)
         self.gemm_gflops = float(gemm_gflops)
@@ -202,9 +202,11 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         requests, buffers = [], []
         with self.world.watch("the sufficient factors of layer '%s'" % self.net.layer_names[i]):
             for f in layer.factors:
-                send = np.ascontiguousarray(f)
+                # float16 on the wire with --comm_dtype=fp16 (as uint16: MPI has no float16 type)
+                send = np.ascontiguousarray(f, np.float16 if self.comm_dtype == "fp16" else f.dtype)
                 recv = np.empty((self.world.size,) + send.shape, send.dtype)
-                requests.append(self._comm.Iallgather(send, recv))
+                as_sent = np.uint16 if send.dtype == np.float16 else send.dtype
+                requests.append(self._comm.Iallgather(send.view(as_sent), recv.view(as_sent)))
                 buffers.append((send, recv))
         layer.factors = None
         self._gathers[i] = (requests, buffers)
@@ -229,7 +231,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
                             yield_core()
                 (_, dy), (_, x) = buffers
                 m = dy.shape[0] * dy.shape[1]
-                dy, x = dy.reshape(m, -1), x.reshape(m, -1)
+                dy, x = (np.asarray(f.reshape(m, -1), net.dtype) for f in (dy, x))
                 grad = layer.blobs[0].diff
                 if layer.factor_transposed:
                     grad[...] = kernels.matmul(net.xp, x.T, dy)

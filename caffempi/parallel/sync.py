@@ -108,9 +108,10 @@ class BucketedAllreduce(GradientSync):
     divided by N and no pass over the buffer follows the wait."""
 
     def __init__(self, world, comm="overlap", bucket_mb=DEFAULT_BUCKET_MB,
-                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None):
+                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None, comm_dtype="fp32"):
         super().__init__(world)
         self.comm = comm
+        self.comm_dtype = comm_dtype
         self.bucket_mb = bucket_mb
         self.first_bucket_mb = first_bucket_mb
         self.transport = transport       # made in attach(), for the net's buffers
@@ -139,7 +140,8 @@ class BucketedAllreduce(GradientSync):
         net.gradient_scale = 1.0 / self.world.size
         if self.transport is None:
             with self.world.watch("the gradient transport's set-up"):
-                self.transport = make_transport(self.world, self.comm, net.xp, net.param_diff.nbytes)
+                self.transport = make_transport(self.world, self.comm, net.xp, net.param_diff.nbytes,
+                                                self.comm_dtype)
         if not isinstance(net.param_diff, np.ndarray) and not self.transport.device_buffers:
             raise CaffeError("the %s transport needs host (NumPy) gradient buffers" % self.transport.name)
         if self.transport.overlaps_backward:

@@ -19,8 +19,20 @@ runs' skew (the mean wait for the other rank's backward, 0.56 sigma) unless
 --jitter_ms gives it.  Efficiency = step time on one rank / step time on N
 ranks (each rank keeps its batch).
 
+Sufficient factors (--sfb): a layer whose weight comes from the ranks'
+factors (M rows of N + K numbers a rank) sends no weight gradient; its
+factors cross the link as an allgather, (N-1) alpha + (N-1) M (N+K) 4 beta,
+started at its backward; after backward each rank forms dW with one GEMM
+over all N*M rows (the layer's own dW product, M rows, is not done during
+backward).  The link is one resource: buckets and gathers cross it one
+after another, in the order backward makes them ready.
+
     python tools/scaling_model.py --calibrate           # alpha/beta for shared memory, 2 ranks
     python tools/scaling_model.py --bench bench.json --validate --plot scaling.png
+    # 2 emulated hosts (benchmarks/cluster.py --json): predictions against the
+    # measurements, alpha/beta measured on each emulated link, and the table
+    # for 16 and 64 hosts on 10GbE and 100Gb InfiniBand
+    sudo python tools/scaling_model.py --cluster_bench cluster.json --calibrate_links
 """
 import argparse
 import json
@@ -35,6 +47,7 @@ import numpy as np
 
 # alpha (s), beta (s/byte): latency and inverse effective bandwidth per link
 PRESETS = {
+    "1GbE": (50e-6, 1 / 0.118e9),
     "10GbE": (30e-6, 1 / 1.1e9),
     "25GbE": (15e-6, 1 / 2.8e9),
     "100Gb-IB": (2e-6, 1 / 11.5e9),
@@ -79,23 +92,53 @@ def jitter_from_skew(skew_ms):
     return skew_ms / expected_max_normal(2)
 
 
-def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0):
+def gather_time(nbytes, n, alpha, beta):
+    """A ring allgather of ``nbytes`` from each of n ranks."""
+    return (n - 1) * alpha + (n - 1) * nbytes * beta if n > 1 else 0.0
+
+
+def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0,
+            factors=(), gemm_rate=100e9, bytes_per_value=4):
     """Step seconds and exposed seconds for n ranks; ``jitter`` is the
-    per-rank independent step-time sigma in seconds (the straggler term)."""
+    per-rank independent step-time sigma in seconds (the straggler term);
+    ``factors``: the indices of the layers using sufficient factors (their
+    layer records carry ``factors``: (M, N, K)); ``bytes_per_value``: 2 for
+    --comm_dtype=fp16."""
     fwd = profile["forward_ms"] / 1e3
     bwd = sum(L["backward_ms"] for L in profile["layers"]) / 1e3
     other = max(0.0, profile["compute_ms"] / 1e3 - fwd - bwd)   # update, bookkeeping
-    total_bytes = sum(L["params"] for L in profile["layers"]) * 4
     if n <= 1:
         return fwd + bwd + other, 0.0
+    layers, gathers, gemm = [], [], 0.0
+    for L in profile["layers"]:
+        if L["index"] in factors:
+            m, nn, k = L["factors"]
+            saved = 2.0 * m * nn * k / gemm_rate              # its own dW, not done in backward
+            L = dict(L, params=L["params"] - nn * k, backward_ms=max(0.0, L["backward_ms"] - 1e3 * saved))
+            gathers.append((L["index"], m * (nn + k) * bytes_per_value))
+            gemm += 2.0 * n * m * nn * k / gemm_rate
+        layers.append(L)
+    bwd = sum(L["backward_ms"] for L in layers) / 1e3
+    beta_v = beta * bytes_per_value / 4.0                    # per float32 byte of the gradient
     if mode == "blocking":
-        exposed = ring_time(total_bytes, n, alpha, beta)
+        gathers_end = bwd + sum(gather_time(b, n, alpha, beta) for _, b in gathers)
+        link_end = gathers_end + ring_time(sum(L["params"] for L in layers) * 4, n, alpha, beta_v)
     else:
-        end = 0.0
-        for ready, nbytes in buckets_from_layers(profile["layers"], bucket_mb, first_bucket_mb):
-            end = max(end, ready) + ring_time(nbytes, n, alpha, beta)
-        exposed = max(0.0, end - bwd)
-    exposed += jitter * expected_max_normal(n)
+        # the link's work in the order backward makes it ready
+        ready_at, t = {}, 0.0
+        for L in sorted(layers, key=lambda L: -L["index"]):
+            t += L["backward_ms"] / 1e3
+            ready_at[L["index"]] = t
+        work = [(ready, ring_time(nb, n, alpha, beta_v), False)
+                for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
+        work += [(ready_at[i], gather_time(b, n, alpha, beta), True) for i, b in gathers]
+        link_end = gathers_end = 0.0
+        for ready, cost, is_gather in sorted(work):
+            link_end = max(link_end, ready) + cost
+            if is_gather:
+                gathers_end = link_end
+    finish = max(bwd, gathers_end) + gemm if gathers else bwd
+    exposed = max(0.0, max(finish, link_end) - bwd) + jitter * expected_max_normal(n)
     return fwd + bwd + other + exposed, exposed
 
 
@@ -124,15 +167,21 @@ def _allreduce_worker(out):
             json.dump({"size": comm.size, "points": res}, f)
 
 
-def calibrate(n=2):
-    """Measure Allreduce on n local ranks (shared memory) and fit alpha, beta."""
-    mpiexec = Path(sys.executable).parent / "mpiexec"
+def calibrate(n=2, cluster=None):
+    """Measure Allreduce on n local ranks (shared memory), or on the hosts of
+    an emulated ``cluster`` (caffempi.testing.cluster), and fit alpha, beta."""
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-    subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n), sys.executable,
-                    "-m", "caffempi.tools.scaling_model", "--allreduce-worker", out],
-                   check=True, timeout=300, env=env)
+    worker = [sys.executable, "-m", "caffempi.tools.scaling_model", "--allreduce-worker", out]
+    if cluster is not None:
+        p = cluster.mpiexec(worker, env=env, timeout=600)
+        if p.returncode:
+            raise SystemExit("link calibration failed:\n" + p.stderr[-2000:])
+    else:
+        mpiexec = Path(sys.executable).parent / "mpiexec"
+        subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n)] + worker,
+                       check=True, timeout=300, env=env)
     with open(out) as f:
         data = json.load(f)
     os.unlink(out)
@@ -196,6 +245,86 @@ def plot(rows_by_net, path, ranks=RANKS):
     fig.savefig(path, dpi=110)
 
 
+# ------------------------------------------------------- emulated hosts
+POSEIDON = "Poseidon (Zhang et al., USENIX ATC 2017): 15.5x on 16 machines, VGG19-22K, 10GbE, GPUs"
+
+
+def rate_bits(rate):
+    """tc's rate ("100mbit", "1gbit", "10gbit") in bits per second."""
+    units = {"kbit": 1e3, "mbit": 1e6, "gbit": 1e9}
+    for u, f in units.items():
+        if rate.endswith(u):
+            return float(rate[:-len(u)]) * f
+    raise ValueError("unknown rate %r" % rate)
+
+
+def mean_profile(runs):
+    """The per-layer profile of single-process runs (scaling.py worker JSON)."""
+    prof = {k: float(np.mean([r[k] for r in runs])) for k in ("forward_ms", "compute_ms", "step_ms")}
+    prof["layers"] = [dict(L, backward_ms=float(np.mean([r["layers"][i]["backward_ms"] for r in runs])))
+                      for i, L in enumerate(runs[0]["layers"])]
+    return prof
+
+
+def factor_choice(profile, n, alpha, beta, gemm_rate):
+    """The layers --sfb=auto would take (the same rule: parallel.sfb.factor_plan)."""
+    from ..parallel.sfb import factor_plan
+    cands = [L for L in profile["layers"] if L.get("factors") and L["params"]]
+    plan = factor_plan([tuple(L["factors"]) for L in cands], n, 1.0 / beta, alpha, gemm_rate)
+    return {L["index"] for L, p in zip(cands, plan) if p[0]}
+
+
+def cluster_report(records, links, gemm_rate, hosts=(16, 64)):
+    """Predicted against measured 2-host figures (benchmarks/cluster.py
+    --json), then each net's predicted efficiency on more hosts."""
+    lines = ["2 emulated hosts: predicted from the independent pair's profile (run alongside), against "
+             "the measurement (GEMM %.0f GFLOP/s)" % (gemm_rate / 1e9),
+             "%-14s %-7s %-9s %10s %10s %8s %9s %9s" % ("net", "rate", "mode", "pred. ms", "meas. ms", "error",
+                                                     "pred. eff", "meas. eff")]
+    profiles = {}
+    for r in records:
+        profile = mean_profile(r["pair_runs"])
+        profiles[r["net"]] = profile
+        if not r.get("runs"):
+            continue
+        alpha, beta = links[r["rate"]]
+        used = {L["index"] for L in r["runs"][0]["layers"] if L.get("factors_used")}
+        step = predict(profile, 2, alpha, beta, "blocking" if r["mode"] == "blocking" else "overlap",
+                       factors=used, gemm_rate=gemm_rate, bytes_per_value=2 if r["mode"] == "fp16" else 4)[0]
+        meas = r["step_ms"] / 1e3
+        lines.append("%-14s %-7s %-9s %10.1f %10.1f %+7.1f%% %9.3f %9.3f" % (
+            r["net"], r["rate"], r["mode"], 1e3 * step, 1e3 * meas, 100 * (step - meas) / meas,
+            single_step(profile) / step, r["efficiency"]))
+    lines += ["", "Predicted efficiency on more hosts, one rank a host, the per-rank batch of the runs above "
+              "(--sfb=auto's choice per host count; no straggler term):",
+              "%-14s %-9s %-9s" % ("net", "network", "sfb") + "".join("%9s" % ("%d hosts" % h) for h in hosts)]
+    for name, profile in profiles.items():
+        for pname in ("10GbE", "100Gb-IB"):
+            alpha, beta = PRESETS[pname]
+            for sfb in ("off", "auto"):
+                effs = []
+                for h in hosts:
+                    used = factor_choice(profile, h, alpha, beta, gemm_rate) if sfb == "auto" else set()
+                    effs.append(single_step(profile) / predict(profile, h, alpha, beta, "overlap", factors=used,
+                                                               gemm_rate=gemm_rate)[0])
+                lines.append("%-14s %-9s %-9s" % (name, pname, sfb) + "".join("%9.3f" % e for e in effs))
+    lines += ["(%s: %.2f of linear on 16 machines)" % (POSEIDON, 15.5 / 16)]
+    return "\n".join(lines)
+
+
+def measure_gemm_rate():
+    """FLOP/s of one thread's float32 GEMM (a rank's, one BLAS thread each)."""
+    from threadpoolctl import threadpool_limits
+    a = np.ones((256, 2048), np.float32)
+    b = np.ones((2048, 1024), np.float32)
+    with threadpool_limits(1):
+        a @ b
+        t = time.perf_counter()
+        for _ in range(3):
+            a @ b
+        return 3 * 2.0 * 256 * 2048 * 1024 / (time.perf_counter() - t)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--allreduce-worker", help=argparse.SUPPRESS)
@@ -209,9 +338,30 @@ def main(argv=None):
                     "straggler term; default: from the bench's 2-rank skew")
     ap.add_argument("--buckets", default="0.25,1,4,25", help="bucket sizes (MB) for the overlap rows")
     ap.add_argument("--plot", help="save a PNG of efficiency vs ranks")
+    ap.add_argument("--cluster_bench", help="JSON of benchmarks/cluster.py --json: predict its 2-host runs "
+                    "and print the predictions for 16 and 64 hosts")
+    ap.add_argument("--calibrate_links", action="store_true", help="with --cluster_bench: measure alpha/beta on "
+                    "an emulated link of each rate (root); else beta from the rate and --link_latency_us")
+    ap.add_argument("--link_latency_us", type=float, default=50.0)
+    ap.add_argument("--gemm_gflops", type=float, default=0.0, help="the GEMM rate (0: measured here, 1 thread)")
     a = ap.parse_args(argv)
     if a.allreduce_worker:
         return _allreduce_worker(a.allreduce_worker)
+    if a.cluster_bench:
+        with open(a.cluster_bench) as f:
+            records = json.load(f)
+        links = {}
+        for rate in sorted({r["rate"] for r in records if r["rate"]}):
+            if a.calibrate_links:
+                from ..testing.cluster import Cluster
+                with Cluster(2, rate) as cluster:
+                    links[rate], _ = calibrate(2, cluster)
+            else:
+                links[rate] = (a.link_latency_us * 1e-6, 8.0 / rate_bits(rate))
+            print("link %s: alpha %.1f us, %.3g Gbit/s" % (rate, 1e6 * links[rate][0], 8e-9 / links[rate][1]))
+        rate = a.gemm_gflops * 1e9 if a.gemm_gflops else measure_gemm_rate()
+        print(cluster_report(records, links, rate))
+        return 0
     shm = None
     if a.calibrate:
         (alpha, beta), data = calibrate(2)

@@ -247,3 +247,10 @@ def test_layers_that_cannot_use_factors_say_why():
     with captured_log() as msgs:
         assert sfb._eligible(net, 2) == []
     assert any("layer 'ip1' keeps the allreduce (iter_size 2: the factors" in m for m in msgs), msgs
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_float16_sums(n):
+    p = mpirun(n, [WORKERS / "fp16_worker.py"])
+    assert "FP16 OK" in p.stdout

@@ -24,6 +24,8 @@ nccl       refused                              nccl.NCCLTransport (refused when
                                                 cannot join the ranks)
 =========  ===================================  ======================================
 
+``--comm_dtype=fp16`` (CPU nets) takes :class:`~caffempi.parallel.transports.compressed.Float16Transport`
+whatever ``--comm`` says: buckets cross as float16, summed in float32.
 One rank needs no transport: :class:`~caffempi.parallel.transports.base.LocalTransport`.
 A new transport subclasses ``Transport`` and gets a row here.
 """
@@ -32,10 +34,12 @@ import numpy as np
 from ...common import CaffeError, log
 from .base import LocalTransport, Transport  # noqa: F401  (the interface)
 from .mpi import HOST_TRANSPORTS
+from .compressed import Float16Transport
 from .hierarchical import HierarchicalTransport
 from .shm import make_shm_transport
 
 COMM_MODES = ("auto", "shm", "hierarchical", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
+COMM_DTYPES = ("fp32", "fp16")
 
 
 def check_comm_mode(mode):
@@ -43,13 +47,20 @@ def check_comm_mode(mode):
         raise CaffeError("unknown --comm '%s' (one of %s)" % (mode, ", ".join(COMM_MODES)))
 
 
-def make_transport(world, mode="overlap", xp=np, nbytes=0):
+def make_transport(world, mode="overlap", xp=np, nbytes=0, dtype="fp32"):
     """The transport for ``--comm=mode`` and buffers of array module ``xp``,
-    at most ``nbytes`` of them summed per iteration (collective: every rank
-    must call it, with the same arguments)."""
+    at most ``nbytes`` of them summed per iteration, sent as ``dtype``
+    (``--comm_dtype``; collective: every rank must call it, with the same
+    arguments)."""
     check_comm_mode(mode)
+    if dtype not in COMM_DTYPES:
+        raise CaffeError("unknown --comm_dtype '%s' (fp32 or fp16)" % dtype)
     if world.size == 1:
         return LocalTransport()
+    if dtype == "fp16":
+        if xp is not np:
+            raise CaffeError("--comm_dtype=fp16 needs CPU nets")
+        return Float16Transport(world)
     if xp is np:
         if mode == "nccl":
             raise CaffeError("--comm=nccl needs GPU nets (--gpu)")

@@ -12,58 +12,23 @@ the steps of the buckets in bucket order, so the collectives on each
 communicator come in the same order on every rank.  Progress as in
 ``overlap``: polled between layers and between the chunks of CPU kernels.
 """
-from ...backend import threads
-from .base import Transport, yield_core
+from .chained import ChainedTransport
 
 
-class _Sum:
-    """One bucket's chain: step 0 reduce, 1 across hosts (first ranks), 2
-    broadcast, 3 done."""
-    __slots__ = ("buf", "step", "request")
-
-    def __init__(self, buf):
-        self.buf, self.step, self.request = buf, 0, None
-
-
-class HierarchicalTransport(Transport):
+class HierarchicalTransport(ChainedTransport):
     name = "hierarchical"
+    steps = 3            # reduce on the host, allreduce across hosts, broadcast on the host
 
     def __init__(self, world, host):
-        MPI = self.MPI = world.MPI
+        super().__init__(world.MPI)
+        MPI = self.MPI
         self.reduce_comm = host                  # the host's ranks (this transport frees it)
         self.bcast_comm = host.Dup()
         self.leader = host.rank == 0
         color = 0 if self.leader else MPI.UNDEFINED
         self.across = world.comm.Split(color, world.rank)   # COMM_NULL on the other ranks
-        self._sums = []                          # this iteration's, in start order
 
-    def allreduce_start(self, buf):
-        s = _Sum(buf)
-        self._sums.append(s)
-        self.poll()
-        threads.set_progress(self.poll)
-        return s
-
-    def poll(self):
-        """Advance every chain as far as it can go; a bucket issues a step
-        only after every earlier bucket has issued it."""
-        limit = 3             # the fewest steps an earlier bucket has issued
-        for s in self._sums:
-            while s.step < 3:
-                if s.request is not None:
-                    if not s.request.Test():
-                        break
-                    s.step, s.request = s.step + 1, None
-                elif s.step < limit:
-                    s.request = self._issue(s)
-                else:
-                    break
-            limit = min(limit, s.step + (s.request is not None))
-        while self._sums and self._sums[0].step == 3:
-            self._sums.pop(0)
-        return not self._sums
-
-    def _issue(self, s):
+    def issue(self, s):
         MPI = self.MPI
         if s.step == 0:
             if self.leader:
@@ -74,15 +39,6 @@ class HierarchicalTransport(Transport):
                 return self.across.Iallreduce(MPI.IN_PLACE, s.buf, op=MPI.SUM)
             return MPI.REQUEST_NULL               # the other ranks take no part
         return self.bcast_comm.Ibcast(s.buf, root=0)
-
-    def backward_end(self):
-        threads.set_progress(None)
-
-    def wait(self, handle):
-        while handle.step < 3:
-            self.poll()
-            if handle.step < 3:
-                yield_core()
 
     def close(self):
         self.backward_end()

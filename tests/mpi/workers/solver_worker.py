@@ -6,7 +6,7 @@ keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
       finetune from), other_cwd (ranks but 0 work in this directory, as on a
       host that does not share rank 0's files), fail_rank, fail_iter,
       fail_kind (raise|nan|kill|snapshot|hang: stops taking part, as a rank
-      behind a dead link), comm_timeout, sfb (off|on|auto), sync, tau, test_interval, after_train
+      behind a dead link), comm_timeout, sfb (off|on|auto), comm_dtype, sync, tau, test_interval, after_train
       (0: no snapshot_after_train),
       out (npz written by rank 0), each (npz path with %d: every rank writes its
       iteration, weights and EASGD centre when it stops, also on an error)
@@ -68,7 +68,8 @@ def main():
     world, sync = setup_parallel(comm=kw.get("comm", "overlap"), sync=kw.get("sync", "sgd"),
                                     tau=int(kw.get("tau", 10)), alpha=float(kw.get("alpha", 0.2)),
                                     bucket_mb=float(kw.get("bucket_mb", 0.001)),
-                                    comm_timeout=float(kw.get("comm_timeout", 600)), sfb=kw.get("sfb", "off"))
+                                    comm_timeout=float(kw.get("comm_timeout", 600)), sfb=kw.get("sfb", "off"),
+                                    comm_dtype=kw.get("comm_dtype", "fp32"))
 
     def run():
         from google.protobuf import text_format
