@@ -46,6 +46,18 @@ def factor_plan(layers, ranks, bandwidth, latency, gemm_rate):
     return out
 
 
+def measure_gemm_rate(repeats=1):
+    """FLOP/s of this process's float32 GEMM (kernels.matmul, on the
+    process's kernel threads) on a product of fc-layer proportions."""
+    a = np.ones((256, 2048), np.float32)
+    b = np.ones((2048, 1024), np.float32)
+    kernels.matmul(np, a, b)
+    t = time.perf_counter()
+    for _ in range(repeats):
+        kernels.matmul(np, a, b)
+    return repeats * 2.0 * 256 * 2048 * 1024 / max(time.perf_counter() - t, 1e-9)
+
+
 class SufficientFactorBroadcast(BucketedAllreduce):
     """Gradient averaging with the weights of the chosen fully connected
     layers formed from every rank's sufficient factors (the rest as
@@ -63,8 +75,9 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         self.link_gbps = float(link_gbps)
         self.gemm_gflops = float(gemm_gflops)
         self.factor_layers = []        # (layer index, layer, param index of its weight)
+        self._factor_at = {}           # layer index -> layer, of factor_layers
         self._comm = None
-        self._gathers = {}             # layer index -> (requests, dy buffers, x buffers)
+        self._gathers = {}             # layer index -> (requests, [(send, recv)] of dy and x)
 
     # --------------------------------------------------------------- set-up
     def attach(self, net, iter_size=1):
@@ -78,6 +91,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         for _, layer, _ in self.factor_layers:
             layer.weight_grad_from_factors = True
         self.exclude = tuple(p for _, _, p in self.factor_layers)
+        self._factor_at = {i: layer for i, layer, _ in self.factor_layers}
         if self.factor_layers and self._comm is None:
             with self.world.watch("the factor communicator's set-up"):
                 self._comm = self.world.comm.Dup()
@@ -88,6 +102,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
             layer.weight_grad_from_factors = False
             layer.factors = None
         self.factor_layers = []
+        self._factor_at = {}
         self.exclude = ()
         super().detach()
 
@@ -169,12 +184,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         if self.gemm_gflops > 0:
             rate = self.gemm_gflops * 1e9
         else:
-            a = np.ones((256, 2048), np.float32)
-            b = np.ones((2048, 1024), np.float32)
-            kernels.matmul(np, a, b)
-            t = time.perf_counter()
-            kernels.matmul(np, a, b)
-            rate = 2.0 * 256 * 2048 * 1024 / max(time.perf_counter() - t, 1e-9)
+            rate = measure_gemm_rate()
         self._info("Sufficient factors: link %.3g Gbit/s, %.3g us a message, GEMM %.3g GFLOP/s%s",
                    bandwidth * 8 / 1e9, latency * 1e6, rate / 1e9,
                    "" if self.link_gbps > 0 and self.gemm_gflops > 0 else " (measured)")
@@ -192,9 +202,9 @@ class SufficientFactorBroadcast(BucketedAllreduce):
     def on_layer_backward(self, layer_index):
         super().on_layer_backward(layer_index)
         if self._armed:
-            for i, layer, _ in self.factor_layers:
-                if i == layer_index:
-                    self._gather(i, layer)
+            layer = self._factor_at.get(layer_index)
+            if layer is not None:
+                self._gather(layer_index, layer)
             self._progress()
 
     def _gather(self, i, layer):

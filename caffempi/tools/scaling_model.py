@@ -313,16 +313,14 @@ def cluster_report(records, links, gemm_rate, hosts=(16, 64)):
 
 
 def measure_gemm_rate():
-    """FLOP/s of one thread's float32 GEMM (a rank's, one BLAS thread each)."""
+    """FLOP/s of one thread's float32 GEMM (a rank's, one thread each: the
+    runs' setting), as --sfb=auto measures it."""
     from threadpoolctl import threadpool_limits
-    a = np.ones((256, 2048), np.float32)
-    b = np.ones((2048, 1024), np.float32)
+    from ..backend import threads
+    from ..parallel.sfb import measure_gemm_rate as measure
     with threadpool_limits(1):
-        a @ b
-        t = time.perf_counter()
-        for _ in range(3):
-            a @ b
-        return 3 * 2.0 * 256 * 2048 * 1024 / (time.perf_counter() - t)
+        threads.set_thread_count(1)
+        return measure(repeats=3)
 
 
 def main(argv=None):
