@@ -18,7 +18,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import numpy as np  # noqa: E402
 from google.protobuf import text_format  # noqa: E402
 
-import caffempi.layers.data  # noqa: E402,F401
+import caffempi.layer_types.data  # noqa: E402,F401
 from caffempi import Net, TRAIN, config  # noqa: E402
 from caffempi.data.transformer import mean_to_blob_proto  # noqa: E402
 from caffempi.io import proto_io  # noqa: E402

@@ -45,7 +45,7 @@ import numpy as np
 
 from caffempi.backend import to_numpy
 from caffempi.common import TRAIN
-from caffempi.layers.pooling import pooled_size
+from caffempi.layer_types.pooling import pooled_size
 from caffempi.proto import caffe_pb2
 
 _PP = caffe_pb2.PoolingParameter

@@ -16,7 +16,7 @@ line):
     * forward: a blob's data dies after its last forward consumer when no
       backward step reads it (what a layer's backward reads is declared on the
       layer class: ``backward_reads_bottom_data``, ``backward_reads_top_data``,
-      ``in_place_keeps_input``; see :class:`caffempi.layers.base.Layer`);
+      ``in_place_keeps_input``; see :class:`caffempi.layer_types.base.Layer`);
     * backward: a data array dies after the last backward step that reads
       it; a top diff dies after the backward of the layer that produced the
       blob; what a layer kept for its backward (``backward_state``) is

@@ -5,13 +5,13 @@ import os
 
 import numpy as np
 
-from . import layers as _layers  # noqa: F401  (registers every layer type)
+from . import layer_types  # noqa: F401  (registers every layer type)
 from .backend import default_array_module
 from .blob import Blob
 from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
 from .io.atomic import atomic_path
-from .layers.base import create_layer
+from .layer_types.base import create_layer
 from .proto import caffe_pb2
 
 

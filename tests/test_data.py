@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-import caffempi.layers.data  # noqa: F401  (registers the data layers)
+import caffempi.layer_types.data  # noqa: F401  (registers the data layers)
 from caffempi import CaffeError, Net, TEST, TRAIN
 from caffempi.data import lmdb_io
 from caffempi.data.datum import (array_to_datum, datum_to_array, encode_image, encoded_datum, parse_datum,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-import caffempi.layers.data  # noqa: F401  (registers the data layers)
+import caffempi.layer_types.data  # noqa: F401  (registers the data layers)
 from caffempi.common import captured_log, set_random_seed
 
 REPO = Path(__file__).resolve().parents[1]

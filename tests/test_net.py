@@ -212,7 +212,7 @@ def test_errors_name_layer_and_blob():
 
 
 def test_data_layer_types_exist_or_fail_clearly():
-    from caffempi.layers.base import LAYER_REGISTRY
+    from caffempi.layer_types.base import LAYER_REGISTRY
     for t in ("Input", "DummyData", "Convolution", "SoftmaxWithLoss", "BatchNorm"):
         assert t in LAYER_REGISTRY
 

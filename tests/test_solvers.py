@@ -9,7 +9,7 @@ from google.protobuf import text_format
 
 import caffempi
 from caffempi.common import CaffeError
-from caffempi.layers.base import LAYER_REGISTRY, Layer, register
+from caffempi.layer_types.base import LAYER_REGISTRY, Layer, register
 from caffempi.proto import caffe_pb2
 from caffempi.solvers import get_solver, lr_policy
 

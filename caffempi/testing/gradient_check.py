@@ -5,7 +5,7 @@ from google.protobuf import text_format
 
 from ..blob import Blob
 from ..common import TRAIN, set_random_seed
-from ..layers.base import create_layer
+from ..layer_types.base import create_layer
 from ..proto import caffe_pb2
 
 

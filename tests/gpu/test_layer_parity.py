@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from caffempi.common import TEST
-from caffempi.layers.base import LAYER_REGISTRY
+from caffempi.layer_types.base import LAYER_REGISTRY
 from caffempi.testing.parity import check_backend_parity
 
 pytestmark = pytest.mark.gpu
@@ -148,7 +148,7 @@ PARAMS = [pytest.param(text, bottoms, opts, id="%s-%d" % (kind, i))
 
 
 def test_every_layer_type_has_a_case():
-    ours = {name for name, cls in LAYER_REGISTRY.items() if cls.__module__.startswith("caffempi.layers")}
+    ours = {name for name, cls in LAYER_REGISTRY.items() if cls.__module__.startswith("caffempi.layer_types")}
     assert sorted(ours - FILE_DATA - set(CASES)) == []
 
 

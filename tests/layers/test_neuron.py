@@ -1,4 +1,4 @@
-"""Tests of the elementwise neuron layers (caffempi/layers/neuron.py)."""
+"""Tests of the elementwise neuron layers (caffempi/layer_types/neuron.py)."""
 import numpy as np
 import pytest
 

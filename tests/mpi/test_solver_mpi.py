@@ -27,7 +27,7 @@ def scores_of(d, weights, test_iter=4):
     from google.protobuf import text_format
     sys.path.insert(0, str(WORKERS))
     from solver_worker import net_text
-    import caffempi.layers.data  # noqa: F401  (HDF5Data)
+    import caffempi.layer_types.data  # noqa: F401  (HDF5Data)
     from caffempi import TEST, Net
     from caffempi.proto import caffe_pb2
     net = Net(text_format.Merge(net_text(str(d), 12), caffe_pb2.NetParameter()), TEST)

@@ -3,7 +3,7 @@ package does not import them yet."""
 import sys
 
 try:
-    import caffempi.layers.data  # noqa: F401
+    import caffempi.layer_types.data  # noqa: F401
 except ImportError:
     pass
 from caffempi.cli import main

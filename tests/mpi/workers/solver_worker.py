@@ -19,9 +19,9 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from nets import MLP  # noqa: E402
 
-import caffempi.layers  # noqa: E402,F401
+import caffempi.layer_types  # noqa: E402,F401
 try:
-    import caffempi.layers.data  # noqa: E402,F401  (registers HDF5Data until layers/__init__ does)
+    import caffempi.layer_types.data  # noqa: E402,F401  (registers HDF5Data until layers/__init__ does)
 except ImportError:
     pass
 from caffempi.parallel.launch import exit_code, run_guarded, setup_parallel  # noqa: E402
