@@ -182,3 +182,44 @@ def test_scaling_model_sufficient_factors():
         {"name": "ip", "index": 0, "backward_ms": 1.0, "params": 5010, "factors": [64, 10, 500]}]}
     assert scaling_model.factor_choice(tiny, 2, 20e-6, 1 / 10e9, gemm) == set()
     assert gather < 0.01 and bias_and_conv < 0.001
+
+
+def test_scaling_model_token_bucket_link():
+    """tc's tbf: after an idle spell ``burst`` bytes leave at once, then the
+    rate; tokens refill at the rate while the link is idle."""
+    beta, burst = 1e-6, 1000.0                  # 1 MB/s, a 1000-byte bucket
+    # idle long enough before: the first 1000 bytes are free
+    end, _ = scaling_model.link_schedule([(0.0, 0.0, 3000.0, False)], beta, burst, idle_before=1.0)
+    assert end == pytest.approx(2000 * beta)
+    # back to back: the second item finds no tokens; after 0.5 ms idle, 500
+    end, _ = scaling_model.link_schedule([(0.0, 0.0, 3000.0, False), (0.0, 0.0, 1000.0, False)],
+                                         beta, burst, idle_before=1.0)
+    assert end == pytest.approx(3000 * beta)
+    end, _ = scaling_model.link_schedule([(0.0, 0.0, 1000.0, False), (0.0005, 0.0, 1000.0, False)],
+                                         beta, burst, idle_before=1.0)
+    assert end == pytest.approx(0.0005 + 500 * beta)
+    # no bucket: the plain alpha-beta link
+    end, gathers_end = scaling_model.link_schedule([(0.0, 1e-5, 3000.0, True)], beta)
+    assert end == gathers_end == pytest.approx(1e-5 + 3000 * beta)
+    # the calibration fit takes the bucket out of each measured sum
+    points = [(b, 2e-5 + max(0.0, b - burst) * beta) for b in (1024, 4096, 2 ** 16, 2 ** 20, 2 ** 22)]
+    alpha, fitted = scaling_model.fit(points, 2, burst)
+    assert fitted == pytest.approx(beta, rel=1e-3)
+
+
+def test_scaling_model_measured_weight_gradient_time():
+    """A factor layer's weight-gradient time from a measurement (it is
+    memory-bound at a few rows) replaces the FLOP-rate estimate."""
+    layers = [{"name": "fc6", "index": 0, "backward_ms": 120.0, "params": 4096 * 9216 + 4096,
+               "factors": [8, 4096, 9216]}]
+    prof = {"forward_ms": 30.0, "compute_ms": 150.0, "layers": layers}
+    calls = []
+
+    def measured(rows, m, k, accumulate):
+        calls.append((rows, m, k, accumulate))
+        return 0.080 if accumulate else 0.090
+
+    step, exposed = scaling_model.predict(prof, 2, 0.0, 1e-12, "overlap", factors={0},
+                                          weight_grad_seconds=measured)
+    assert (8, 4096, 9216, True) in calls and (16, 4096, 9216, False) in calls
+    assert step == pytest.approx(0.150 - 0.080 + 0.090, abs=1e-6)     # the gather: 0.4 us

@@ -58,6 +58,26 @@ def measure_gemm_rate(repeats=1):
     return repeats * 2.0 * 256 * 2048 * 1024 / max(time.perf_counter() - t, 1e-9)
 
 
+def measure_weight_grad_seconds(rows, num_output, num_input, accumulate=False, repeats=3):
+    """Seconds of a fully connected layer's weight gradient from ``rows``
+    factor rows, as this process forms it (kernels.matmul, then written into
+    the gradient, or added to it as the layer's backward does), the fastest
+    of ``repeats``: for a batch of a few rows it is bound by writing the
+    num_output x num_input result, not by its FLOPs."""
+    dy = np.ones((rows, num_output), np.float32)
+    x = np.ones((rows, num_input), np.float32)
+    grad = np.zeros((num_output, num_input), np.float32)
+    best = float("inf")
+    for _ in range(repeats + 1):                       # the first warms up
+        t = time.perf_counter()
+        if accumulate:
+            grad += kernels.matmul(np, dy.T, x)
+        else:
+            grad[...] = kernels.matmul(np, dy.T, x)
+        best = min(best, time.perf_counter() - t)
+    return best
+
+
 class SufficientFactorBroadcast(BucketedAllreduce):
     """Gradient averaging with the weights of the chosen fully connected
     layers formed from every rank's sufficient factors (the rest as

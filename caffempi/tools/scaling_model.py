@@ -27,6 +27,12 @@ over all N*M rows (the layer's own dW product, M rows, is not done during
 backward).  The link is one resource: buckets and gathers cross it one
 after another, in the order backward makes them ready.
 
+Emulated links (caffempi.testing.cluster) shape traffic with tc's token
+bucket: after an idle spell its ``burst`` bytes leave at once, then the
+rate (link_schedule).  A factor layer's weight gradient at a few rows is
+bound by writing its M x N result, not by its FLOPs, so its time is
+measured (sfb.measure_weight_grad_seconds) for the emulated-host report.
+
     python tools/scaling_model.py --calibrate           # alpha/beta for shared memory, 2 ranks
     python tools/scaling_model.py --bench bench.json --validate --plot scaling.png
     # 2 emulated hosts (benchmarks/cluster.py --json): predictions against the
@@ -97,13 +103,40 @@ def gather_time(nbytes, n, alpha, beta):
     return (n - 1) * alpha + (n - 1) * nbytes * beta if n > 1 else 0.0
 
 
+def link_schedule(items, beta, burst=0.0, idle_before=0.0):
+    """Run ``items`` (ready time, latency seconds, bytes a rank sends, is a
+    factor gather) through one link, one after another in ready order; returns
+    (end of the last item, end of the last gather).  ``burst``: the link's
+    token bucket in bytes (tc's tbf ``burst``; 0 for a plain link): after an
+    idle spell it sends up to ``burst`` bytes at once, refilled at the link
+    rate while idle (``idle_before``: seconds idle before time 0)."""
+    link_end = gathers_end = 0.0
+    tokens = min(burst, idle_before / beta) if burst else 0.0
+    for ready, latency, nbytes, is_gather in sorted(items):
+        start = max(link_end, ready)
+        if burst:
+            tokens = min(burst, tokens + (start - link_end) / beta)
+        free = min(tokens, nbytes)
+        tokens -= free
+        link_end = start + latency + (nbytes - free) * beta
+        if is_gather:
+            gathers_end = link_end
+    return link_end, gathers_end
+
+
 def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0,
-            factors=(), gemm_rate=100e9, bytes_per_value=4):
+            factors=(), gemm_rate=100e9, bytes_per_value=4, burst=0.0, weight_grad_seconds=None):
     """Step seconds and exposed seconds for n ranks; ``jitter`` is the
     per-rank independent step-time sigma in seconds (the straggler term);
     ``factors``: the indices of the layers using sufficient factors (their
     layer records carry ``factors``: (M, N, K)); ``bytes_per_value``: 2 for
-    --comm_dtype=fp16."""
+    --comm_dtype=fp16; ``burst``: the link's token bucket (link_schedule);
+    ``weight_grad_seconds(rows, M, N, accumulate)``: the measured time of a
+    factor layer's weight gradient (sfb.measure_weight_grad_seconds), else
+    its FLOPs at ``gemm_rate``."""
+    if weight_grad_seconds is None:
+        def weight_grad_seconds(rows, m, k, accumulate):
+            return 2.0 * rows * m * k / gemm_rate
     fwd = profile["forward_ms"] / 1e3
     bwd = sum(L["backward_ms"] for L in profile["layers"]) / 1e3
     other = max(0.0, profile["compute_ms"] / 1e3 - fwd - bwd)   # update, bookkeeping
@@ -113,30 +146,33 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
     for L in profile["layers"]:
         if L["index"] in factors:
             m, nn, k = L["factors"]
-            saved = 2.0 * m * nn * k / gemm_rate              # its own dW, not done in backward
+            saved = weight_grad_seconds(m, nn, k, True)      # its own dW, not done in backward
             L = dict(L, params=L["params"] - nn * k, backward_ms=max(0.0, L["backward_ms"] - 1e3 * saved))
             gathers.append((L["index"], m * (nn + k) * bytes_per_value))
-            gemm += 2.0 * n * m * nn * k / gemm_rate
+            gemm += weight_grad_seconds(n * m, nn, k, False)
         layers.append(L)
     bwd = sum(L["backward_ms"] for L in layers) / 1e3
-    beta_v = beta * bytes_per_value / 4.0                    # per float32 byte of the gradient
+    scale = bytes_per_value / 4.0                            # bytes sent per float32 byte of gradient
+
+    def ring(ready, nbytes):
+        return (ready, 2 * (n - 1) * alpha, 2.0 * (n - 1) / n * nbytes * scale, False)
+
+    def gather(ready, nbytes):
+        return (ready, (n - 1) * alpha, (n - 1) * nbytes, True)
+
     if mode == "blocking":
-        gathers_end = bwd + sum(gather_time(b, n, alpha, beta) for _, b in gathers)
-        link_end = gathers_end + ring_time(sum(L["params"] for L in layers) * 4, n, alpha, beta_v)
+        # the gathers, then one allreduce of everything, after backward
+        items = [gather(bwd, b) for _, b in gathers]
+        items.append(ring(bwd + 1e-12, sum(L["params"] for L in layers) * 4))
     else:
         # the link's work in the order backward makes it ready
         ready_at, t = {}, 0.0
         for L in sorted(layers, key=lambda L: -L["index"]):
             t += L["backward_ms"] / 1e3
             ready_at[L["index"]] = t
-        work = [(ready, ring_time(nb, n, alpha, beta_v), False)
-                for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
-        work += [(ready_at[i], gather_time(b, n, alpha, beta), True) for i, b in gathers]
-        link_end = gathers_end = 0.0
-        for ready, cost, is_gather in sorted(work):
-            link_end = max(link_end, ready) + cost
-            if is_gather:
-                gathers_end = link_end
+        items = [ring(ready, nb) for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
+        items += [gather(ready_at[i], b) for i, b in gathers]
+    link_end, gathers_end = link_schedule(items, beta, burst, idle_before=fwd + other)
     finish = max(bwd, gathers_end) + gemm if gathers else bwd
     exposed = max(0.0, max(finish, link_end) - bwd) + jitter * expected_max_normal(n)
     return fwd + bwd + other + exposed, exposed
@@ -185,16 +221,18 @@ def calibrate(n=2, cluster=None):
     with open(out) as f:
         data = json.load(f)
     os.unlink(out)
-    return fit(data["points"], data["size"]), data
+    return fit(data["points"], data["size"], cluster.burst_bytes if cluster is not None and cluster.rate else 0.0), data
 
 
-def fit(points, n):
+def fit(points, n, burst=0.0):
     """alpha from the small messages (<= 4 KB), beta by least squares over
-    the large ones (>= 64 KB, the gradient buckets' range) of ring_time."""
+    the large ones (>= 64 KB, the gradient buckets' range) of ring_time,
+    less the ``burst`` bytes a token-bucket link sends at once after the
+    barrier between two measured sums."""
     small = [t for b, t in points if b <= 4096]
     alpha = float(np.median(small)) / (2 * (n - 1)) if small else 0.0
     big = [(b, t) for b, t in points if b >= 65536] or points
-    x = np.array([2.0 * (n - 1) / n * b for b, _ in big])
+    x = np.array([max(0.0, 2.0 * (n - 1) / n * b - burst) for b, _ in big])
     y = np.array([t - 2 * (n - 1) * alpha for _, t in big])
     beta = float(np.dot(x, y) / np.dot(x, x))
     return max(alpha, 0.0), max(beta, 1e-13)
@@ -274,14 +312,20 @@ def factor_choice(profile, n, alpha, beta, gemm_rate):
     return {L["index"] for L, p in zip(cands, plan) if p[0]}
 
 
-def cluster_report(records, links, gemm_rate, hosts=(16, 64)):
+def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.0, hosts=(16, 64)):
     """Predicted against measured 2-host figures (benchmarks/cluster.py
-    --json), then each net's predicted efficiency on more hosts."""
+    --json), then each net's predicted efficiency on more hosts.  Each 2-host
+    prediction: the independent pair's per-layer profile of the same run, the
+    link's alpha, beta and token bucket (``burst``), the factor layers'
+    measured weight-gradient times, and the straggler term with sigma from
+    the skew of the *other* 2-host runs of the same net (so no run's own wait
+    predicts it)."""
     lines = ["2 emulated hosts: predicted from the independent pair's profile (run alongside), against "
              "the measurement (GEMM %.0f GFLOP/s)" % (gemm_rate / 1e9),
              "%-14s %-7s %-9s %10s %10s %8s %9s %9s" % ("net", "rate", "mode", "pred. ms", "meas. ms", "error",
                                                      "pred. eff", "meas. eff")]
-    profiles = {}
+    profiles, within = {}, []
+    measured = [r for r in records if r.get("runs")]
     for r in records:
         profile = mean_profile(r["pair_runs"])
         profiles[r["net"]] = profile
@@ -289,38 +333,66 @@ def cluster_report(records, links, gemm_rate, hosts=(16, 64)):
             continue
         alpha, beta = links[r["rate"]]
         used = {L["index"] for L in r["runs"][0]["layers"] if L.get("factors_used")}
+        others = [np.mean([x["skew_ms"] for x in o["runs"]]) for o in measured
+                  if o["net"] == r["net"] and o is not r]
+        jitter = jitter_from_skew(float(np.mean(others))) / 1e3 if others else 0.0
         step = predict(profile, 2, alpha, beta, "blocking" if r["mode"] == "blocking" else "overlap",
-                       factors=used, gemm_rate=gemm_rate, bytes_per_value=2 if r["mode"] == "fp16" else 4)[0]
+                       jitter=jitter, factors=used, gemm_rate=gemm_rate,
+                       bytes_per_value=2 if r["mode"] == "fp16" else 4, burst=burst,
+                       weight_grad_seconds=weight_grad_seconds)[0]
         meas = r["step_ms"] / 1e3
+        within.append(abs(step - meas) <= 0.1 * meas)
         lines.append("%-14s %-7s %-9s %10.1f %10.1f %+7.1f%% %9.3f %9.3f" % (
             r["net"], r["rate"], r["mode"], 1e3 * step, 1e3 * meas, 100 * (step - meas) / meas,
             single_step(profile) / step, r["efficiency"]))
+    lines.append("%d of %d predictions within 10%%" % (sum(within), len(within)))
     lines += ["", "Predicted efficiency on more hosts, one rank a host, the per-rank batch of the runs above "
-              "(--sfb=auto's choice per host count; no straggler term):",
+              "(--sfb=auto's choice per host count; straggler sigma from the net's 2-host runs' skew):",
               "%-14s %-9s %-9s" % ("net", "network", "sfb") + "".join("%9s" % ("%d hosts" % h) for h in hosts)]
     for name, profile in profiles.items():
+        skews = [np.mean([x["skew_ms"] for x in o["runs"]]) for o in measured if o["net"] == name]
+        jitter = jitter_from_skew(float(np.mean(skews))) / 1e3 if skews else 0.0
         for pname in ("10GbE", "100Gb-IB"):
             alpha, beta = PRESETS[pname]
             for sfb in ("off", "auto"):
                 effs = []
                 for h in hosts:
                     used = factor_choice(profile, h, alpha, beta, gemm_rate) if sfb == "auto" else set()
-                    effs.append(single_step(profile) / predict(profile, h, alpha, beta, "overlap", factors=used,
-                                                               gemm_rate=gemm_rate)[0])
+                    effs.append(single_step(profile) / predict(profile, h, alpha, beta, "overlap", jitter=jitter,
+                                                               factors=used, gemm_rate=gemm_rate,
+                                                               weight_grad_seconds=weight_grad_seconds)[0])
                 lines.append("%-14s %-9s %-9s" % (name, pname, sfb) + "".join("%9.3f" % e for e in effs))
     lines += ["(%s: %.2f of linear on 16 machines)" % (POSEIDON, 15.5 / 16)]
     return "\n".join(lines)
 
 
-def measure_gemm_rate():
-    """FLOP/s of one thread's float32 GEMM (a rank's, one thread each: the
-    runs' setting), as --sfb=auto measures it."""
+def one_thread(measure, *args, **kwargs):
+    """``measure(*args)`` on one BLAS and kernel thread (a rank's setting in
+    the runs)."""
     from threadpoolctl import threadpool_limits
     from ..backend import threads
-    from ..parallel.sfb import measure_gemm_rate as measure
     with threadpool_limits(1):
         threads.set_thread_count(1)
-        return measure(repeats=3)
+        return measure(*args, **kwargs)
+
+
+def measure_gemm_rate():
+    """FLOP/s of one thread's float32 GEMM, as --sfb=auto measures it."""
+    from ..parallel.sfb import measure_gemm_rate as measure
+    return one_thread(measure, repeats=3)
+
+
+def weight_grad_timer():
+    """A memoised weight_grad_seconds(rows, M, N, accumulate) for predict:
+    one thread, measured here (sfb.measure_weight_grad_seconds)."""
+    from ..parallel.sfb import measure_weight_grad_seconds
+    cache = {}
+
+    def seconds(rows, m, k, accumulate):
+        if (rows, m, k, accumulate) not in cache:
+            cache[rows, m, k, accumulate] = one_thread(measure_weight_grad_seconds, rows, m, k, accumulate)
+        return cache[rows, m, k, accumulate]
+    return seconds
 
 
 def main(argv=None):
@@ -341,6 +413,8 @@ def main(argv=None):
     ap.add_argument("--calibrate_links", action="store_true", help="with --cluster_bench: measure alpha/beta on "
                     "an emulated link of each rate (root); else beta from the rate and --link_latency_us")
     ap.add_argument("--link_latency_us", type=float, default=50.0)
+    ap.add_argument("--link", action="append", default=[], metavar="RATE:ALPHA_US:GBITS",
+                    help="with --cluster_bench: a link measured before (by --calibrate_links), e.g. 1gbit:25.3:0.95")
     ap.add_argument("--gemm_gflops", type=float, default=0.0, help="the GEMM rate (0: measured here, 1 thread)")
     a = ap.parse_args(argv)
     if a.allreduce_worker:
@@ -348,17 +422,21 @@ def main(argv=None):
     if a.cluster_bench:
         with open(a.cluster_bench) as f:
             records = json.load(f)
+        from ..testing.cluster import Cluster
         links = {}
-        for rate in sorted({r["rate"] for r in records if r["rate"]}):
+        for given in a.link:
+            rate, alpha_us, gbits = given.split(":")
+            links[rate] = (float(alpha_us) * 1e-6, 8e-9 / float(gbits))
+        for rate in sorted({r["rate"] for r in records if r["rate"]} - set(links)):
             if a.calibrate_links:
-                from ..testing.cluster import Cluster
                 with Cluster(2, rate) as cluster:
                     links[rate], _ = calibrate(2, cluster)
             else:
                 links[rate] = (a.link_latency_us * 1e-6, 8.0 / rate_bits(rate))
-            print("link %s: alpha %.1f us, %.3g Gbit/s" % (rate, 1e6 * links[rate][0], 8e-9 / links[rate][1]))
+        for rate, (alpha, beta) in sorted(links.items()):
+            print("link %s: alpha %.1f us, %.3g Gbit/s" % (rate, 1e6 * alpha, 8e-9 / beta))
         rate = a.gemm_gflops * 1e9 if a.gemm_gflops else measure_gemm_rate()
-        print(cluster_report(records, links, rate))
+        print(cluster_report(records, links, rate, weight_grad_timer(), burst=Cluster.burst_bytes))
         return 0
     shm = None
     if a.calibrate:
