@@ -32,6 +32,27 @@ def conv2d_backward(xp, x, w, dy, geom, group, need_dx=True, need_dw=True, x_sha
     return _impl(xp, "conv2d_backward")(x, w, dy, geom, group, need_dx, need_dw, x_shape, use_cudnn=use_cudnn)
 
 
+def im2col(xp, x, geom, oh, ow):
+    """Column matrix (C*kh*kw, N*oh*ow) of the unpadded batch ``x`` (N, C, H,
+    W): rows ordered (c, i, j) as Caffe's im2col, columns (n, y, x); zero
+    outside the image."""
+    if xp is np:
+        ph, pw = geom[4], geom[5]
+        return cpu.im2col(np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))), geom, oh, ow)
+    return _impl(xp, "im2col")(x, geom, oh, ow)
+
+
+def col2im(xp, col, x_shape, geom, oh, ow):
+    """Adjoint of :func:`im2col`: the (N, C, H, W) array ``x_shape`` whose
+    pixels hold the sums of the column entries read from them."""
+    if xp is np:
+        n, c, h, w = x_shape
+        ph, pw = geom[4], geom[5]
+        out = cpu.col2im(col, geom, oh, ow, np.zeros((n, c, h + 2 * ph, w + 2 * pw), col.dtype))
+        return np.ascontiguousarray(out[:, :, ph:ph + h, pw:pw + w])
+    return _impl(xp, "col2im")(xp.ascontiguousarray(col), x_shape, geom, oh, ow)
+
+
 def matmul(xp, a, b):
     """a @ b for 2-D operands: on the CPU in blocks on the intra-op threads
     (:func:`caffempi.backend.cpu.matmul`), as one product on the GPU."""

@@ -47,9 +47,14 @@ class Layer:
     max_top = None
     # Loss layers weight their first top by 1 unless loss_weight says otherwise.
     is_loss = False
-    # Parameter blobs that hold statistics, not weights (BatchNorm): the net
-    # gives them lr_mult 0 when the prototxt has no param spec, as Caffe does.
-    statistics_params = False
+    # How many leading parameter blobs hold statistics, not weights
+    # (BatchNorm): the net gives them lr_mult 0 when the prototxt has no param
+    # spec, as Caffe does, and refuses a non-zero one.
+    statistics_params = 0
+    # Backward may ignore its loss tops' diffs (pycaffe's Python loss layers
+    # do: BVLC's pyloss.py never reads top[0].diff), so the net runs it at
+    # gradient scale 1 and scales what it produced (Net.backward_range).
+    may_ignore_loss_diff = False
     # (rank, size) of this process's share of the data; data layers read
     # records i with i % size == rank.  Set by the net before setup.
     data_shard = (0, 1)

@@ -1,5 +1,6 @@
 """Convolution and Deconvolution (transposed convolution), 2-D, as Caffe's
-BaseConvolutionLayer: bottom i -> top i with shared weights, groups, dilation.
+BaseConvolutionLayer: bottom i -> top i with shared weights, groups, dilation;
+Im2col, the unfolded input itself.
 The arithmetic is in :mod:`caffempi.backend.kernels` (im2col + GEMM, or
 cuDNN's on the GPU as the layer's ``engine`` says, resolved once at setup by
 :func:`caffempi.config.use_cudnn` into ``use_cudnn``)."""
@@ -29,6 +30,36 @@ def _two(layer, repeated, h, w, has_h, has_w, name, default):
                       name, len(vals))
 
 
+def _geometry(layer, cp, bottom):
+    """The window geometry (kh, kw, sh, sw, ph, pw, dh, dw) of a
+    ConvolutionParameter over the (N, C, H, W) blob ``bottom``: 2-D over
+    axis 1 only (the kernels are 2-D)."""
+    if cp.axis not in (1, -3) or bottom.num_axes != 4:
+        raise layer.error("only 2-D convolution of (N, C, H, W) blobs over axis 1 is supported "
+                          "(bottom shape %s, axis %d)", bottom.shape, cp.axis)
+    kh, kw = _two(layer, cp.kernel_size, cp.kernel_h, cp.kernel_w,
+                  cp.HasField("kernel_h"), cp.HasField("kernel_w"), "kernel", None)
+    ph, pw = _two(layer, cp.pad, cp.pad_h, cp.pad_w,
+                  cp.HasField("pad_h"), cp.HasField("pad_w"), "pad", 0)
+    sh, sw = _two(layer, cp.stride, cp.stride_h, cp.stride_w,
+                  cp.HasField("stride_h"), cp.HasField("stride_w"), "stride", 1)
+    dil = list(cp.dilation)
+    if len(dil) > 2:
+        raise layer.error("dilation has %d values; only 2-D convolution is supported", len(dil))
+    dh, dw = (1, 1) if not dil else (dil[0], dil[-1])
+    if min(kh, kw) <= 0 or min(sh, sw) <= 0 or min(dh, dw) <= 0 or min(ph, pw) < 0:
+        raise layer.error("kernel, stride and dilation must be positive and pad non-negative "
+                          "(kernel %dx%d, stride %dx%d, dilation %dx%d, pad %dx%d)",
+                          kh, kw, sh, sw, dh, dw, ph, pw)
+    return (kh, kw, sh, sw, ph, pw, dh, dw)
+
+
+def _out_size(geom, h, w):
+    """Caffe's convolution output (height, width) for an h x w input."""
+    kh, kw, sh, sw, ph, pw, dh, dw = geom
+    return kernels.conv_out_size(h, kh, sh, ph, dh), kernels.conv_out_size(w, kw, sw, pw, dw)
+
+
 class _ConvBase(Layer):
     backward_reads_top_data = False     # memory planner (see Layer)
     min_bottom = 1
@@ -40,24 +71,8 @@ class _ConvBase(Layer):
             raise self.error("needs as many tops as bottoms, got %d bottoms and %d tops",
                              len(bottom), len(top))
         cp = self.param.convolution_param
-        if cp.axis not in (1, -3) or bottom[0].num_axes != 4:
-            raise self.error("only 2-D convolution of (N, C, H, W) blobs over axis 1 is supported "
-                             "(bottom shape %s, axis %d)", bottom[0].shape, cp.axis)
-        kh, kw = _two(self, cp.kernel_size, cp.kernel_h, cp.kernel_w,
-                      cp.HasField("kernel_h"), cp.HasField("kernel_w"), "kernel", None)
-        ph, pw = _two(self, cp.pad, cp.pad_h, cp.pad_w,
-                      cp.HasField("pad_h"), cp.HasField("pad_w"), "pad", 0)
-        sh, sw = _two(self, cp.stride, cp.stride_h, cp.stride_w,
-                      cp.HasField("stride_h"), cp.HasField("stride_w"), "stride", 1)
-        dil = list(cp.dilation)
-        if len(dil) > 2:
-            raise self.error("dilation has %d values; only 2-D convolution is supported", len(dil))
-        dh, dw = (1, 1) if not dil else (dil[0], dil[-1])
-        if min(kh, kw) <= 0 or min(sh, sw) <= 0 or min(dh, dw) <= 0 or min(ph, pw) < 0:
-            raise self.error("kernel, stride and dilation must be positive and pad non-negative "
-                             "(kernel %dx%d, stride %dx%d, dilation %dx%d, pad %dx%d)",
-                             kh, kw, sh, sw, dh, dw, ph, pw)
-        self.geom = (kh, kw, sh, sw, ph, pw, dh, dw)
+        self.geom = _geometry(self, cp, bottom[0])
+        kh, kw = self.geom[:2]
         self.num_output = cp.num_output
         if self.num_output <= 0:
             raise self.error("num_output must be positive")
@@ -87,7 +102,7 @@ class _ConvBase(Layer):
         if self.transposed:
             return ((h - 1) * sh + dh * (kh - 1) + 1 - 2 * ph,
                     (w - 1) * sw + dw * (kw - 1) + 1 - 2 * pw)
-        return (kernels.conv_out_size(h, kh, sh, ph, dh), kernels.conv_out_size(w, kw, sw, pw, dw))
+        return _out_size(self.geom, h, w)
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -157,3 +172,45 @@ class ConvolutionLayer(_ConvBase):
 @register("Deconvolution")
 class DeconvolutionLayer(_ConvBase):
     transposed = True
+
+
+@register("Im2col")
+class Im2colLayer(Layer):
+    """Caffe's Im2col: the top is each image's column matrix, N x (C*kh*kw) x
+    oh x ow, channel (c*kh + i)*kw + j holding input channel c at kernel tap
+    (i, j) (zero where the tap falls in the padding); backward is col2im.
+    2-D over axis 1 only, as our Convolution: Caffe's N-D im2col and other
+    channel axes are refused with an error (``force_nd_im2col`` picks only
+    Caffe's algorithm, not the result, so it is accepted)."""
+    backward_reads_bottom_data = False     # memory planner (see Layer): shapes only
+    backward_reads_top_data = False
+    exact_num_bottom = 1
+    exact_num_top = 1
+
+    def setup(self, bottom, top):
+        self.geom = _geometry(self, self.param.convolution_param, bottom[0])
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) != 4:
+            raise self.error("bottom must be 4-D (num, channels, height, width), got %s", shape)
+        n, c, h, w = shape
+        oh, ow = self.out_hw = _out_size(self.geom, h, w)
+        if oh <= 0 or ow <= 0:
+            raise self.error("bottom shape %s is too small for kernel/pad/stride/dilation %s "
+                             "(output %dx%d)", shape, self.geom, oh, ow)
+        top[0].reshape((n, c * self.geom[0] * self.geom[1], oh, ow))
+
+    def forward(self, bottom, top):
+        oh, ow = self.out_hw
+        col = kernels.im2col(self.xp, bottom[0].data, self.geom, oh, ow)    # (K, N*oh*ow)
+        n = bottom[0].shape[0]
+        top[0].data = self.xp.ascontiguousarray(col.reshape(-1, n, oh, ow).transpose(1, 0, 2, 3))
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        oh, ow = self.out_hw
+        dy = top[0].diff
+        col = self.xp.ascontiguousarray(dy.transpose(1, 0, 2, 3)).reshape(dy.shape[1], -1)
+        bottom[0].diff = kernels.col2im(self.xp, col, bottom[0].shape, self.geom, oh, ow)

@@ -58,8 +58,9 @@ class _Neuron(Layer):
             bottom[0].diff = self.gradient(self._input(top, bottom), top[0].data, top[0].diff)
 
 
-def _sigmoid(xp, x):
-    # tanh form: no overflow for large |x| (as Caffe computes it)
+def sigmoid(xp, x):
+    """1 / (1 + exp(-x)) in the tanh form: no overflow for large |x| (as
+    Caffe computes it)."""
     return 0.5 * xp.tanh(0.5 * x) + 0.5
 
 
@@ -171,7 +172,7 @@ class SigmoidLayer(_Neuron):
         return False
 
     def compute(self, x):
-        return _sigmoid(self.xp, x)
+        return sigmoid(self.xp, x)
 
     def gradient(self, x, y, dy):
         return dy * y * (1 - y)
@@ -335,7 +336,7 @@ class SwishLayer(_Neuron):
         return False  # backward uses the cached sigmoid(beta*x) and the output
 
     def compute(self, x):
-        self._sig = _sigmoid(self.xp, x * self.beta)
+        self._sig = sigmoid(self.xp, x * self.beta)
         return x * self._sig
 
     def gradient(self, x, y, dy):

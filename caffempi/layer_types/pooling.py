@@ -1,4 +1,5 @@
-"""Pooling (MAX / AVE) with Caffe's output-size rule and window clipping."""
+"""Pooling (MAX / AVE) with Caffe's output-size rule and window clipping;
+SPP, a pyramid of such poolings."""
 import math
 
 from ..backend import kernels
@@ -114,3 +115,98 @@ class PoolingLayer(Layer):
             bottom[0].diff = kernels.max_pool_backward(self.xp, dy, self.argmax, self.geom, bottom[0].shape)
         else:
             bottom[0].diff = kernels.ave_pool_backward(self.xp, dy, self.geom, bottom[0].shape)
+
+
+@register("SPP")
+class SPPLayer(Layer):
+    """Spatial pyramid pooling (Caffe's SPPLayer).  Level l of
+    ``pyramid_height`` pools every channel into 2^l x 2^l bins with the
+    geometry of Caffe's GetPoolingParam: kernel ceil(H / bins), stride the
+    kernel, pad (kernel*bins - H + 1) / 2 (the same along W).  Each level is a
+    Pooling layer of ours (one pooling implementation); the levels, each
+    flattened to N x (C*bins*bins), are concatenated along axis 1.  With
+    pyramid_height 1 the top is that one pooling's N x C x 1 x 1, unflattened,
+    as in Caffe.  The levels are rebuilt when the bottom's H x W changes."""
+    # memory planner (see Layer): Pooling's backward reads neither (MAX its argmax)
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    exact_num_bottom = 1
+    exact_num_top = 1
+
+    def setup(self, bottom, top):
+        sp = self.param.spp_param
+        if sp.pyramid_height < 1:
+            raise self.error("spp_param.pyramid_height must be at least 1, got %d", sp.pyramid_height)
+        if sp.pool not in (_PP.MAX, _PP.AVE):     # SPP's enum has Pooling's values
+            raise self.error("only MAX and AVE pooling are supported (STOCHASTIC is not, as in "
+                             "our Pooling)")
+        self.levels = []
+        self.level_blobs = []
+        self.level_hw = None
+
+    def _level(self, level, bottom, level_top):
+        """The Pooling layer of pyramid level ``level`` for ``bottom``'s H x W."""
+        h, w = bottom[0].shape[2:]
+        bins = 2 ** level
+        kh, kw = -(-h // bins), -(-w // bins)
+        ph, pw = (kh * bins - h + 1) // 2, (kw * bins - w + 1) // 2
+        if ph >= kh or pw >= kw:
+            raise self.error("a %dx%d bottom is too small for pyramid level %d (%dx%d bins): its "
+                             "pooling would need pad %dx%d with kernel %dx%d, and Caffe's Pooling "
+                             "needs pad < kernel", h, w, level, bins, bins, ph, pw, kh, kw)
+        lp = caffe_pb2.LayerParameter(name="%s/level%d" % (self.name, level), type="Pooling")
+        pp = lp.pooling_param
+        pp.pool = self.param.spp_param.pool
+        pp.kernel_h, pp.kernel_w = kh, kw
+        pp.stride_h, pp.stride_w = kh, kw
+        pp.pad_h, pp.pad_w = ph, pw
+        layer = PoolingLayer(lp, self.phase, self.xp, self.dtype)
+        layer.setup(bottom, [level_top])
+        return layer
+
+    def _level_tops(self, top):
+        """The levels' tops: the layer's own top with a single level, else
+        one blob per level, flattened and concatenated into the top."""
+        return top if len(self.levels) == 1 else self.level_blobs
+
+    def reshape(self, bottom, top):
+        shape = bottom[0].shape
+        if len(shape) != 4:
+            raise self.error("bottom must be 4-D (num, channels, height, width), got %s", shape)
+        height = self.param.spp_param.pyramid_height
+        if shape[2:] != self.level_hw:
+            self.level_blobs = [self.new_blob(()) for _ in range(height)] if height > 1 else []
+            self.levels = [self._level(level, bottom, t)
+                           for level, t in enumerate(self.level_blobs or top)]
+            self.level_hw = shape[2:]
+        level_tops = self._level_tops(top)
+        for layer, t in zip(self.levels, level_tops):
+            layer.reshape(bottom, [t])
+        if height > 1:
+            top[0].reshape((shape[0], sum(t.count_range(1) for t in level_tops)))
+
+    def forward(self, bottom, top):
+        level_tops = self._level_tops(top)
+        for layer, t in zip(self.levels, level_tops):
+            layer.forward(bottom, [t])
+        if len(self.levels) > 1:
+            n = bottom[0].shape[0]
+            top[0].data = self.xp.concatenate([t.data.reshape(n, -1) for t in level_tops], axis=1)
+
+    def backward(self, top, propagate_down, bottom):
+        if not propagate_down[0]:
+            return
+        dy = top[0].diff
+        grad = None
+        start = 0
+        for layer, t in zip(self.levels, self._level_tops(top)):
+            if t is not top[0]:     # a level of several: its part of the top's diff
+                size = t.count_range(1)
+                t.diff = self.xp.ascontiguousarray(dy[:, start:start + size]).reshape(t.shape)
+                start += size
+            layer.backward([t], [True], bottom)       # sets a new bottom[0].diff
+            if grad is None:
+                grad = bottom[0].diff
+            else:
+                grad += bottom[0].diff
+        bottom[0].diff = grad

@@ -1,6 +1,7 @@
-"""Layers that move, combine or summarise blobs without parameters: Concat,
-Slice, Split, Flatten, Reshape, Crop, Tile, Eltwise, Silence, Reduction and
-ArgMax (BVLC Caffe semantics)."""
+"""Layers that move, combine or summarise blobs: Concat, Slice, Split,
+Flatten, Reshape, Crop, Tile, Eltwise, Silence, Reduction, ArgMax, Filter and
+BatchReindex, and Parameter, whose top is its own learnable blob (BVLC Caffe
+semantics)."""
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -573,3 +574,144 @@ class ArgMaxLayer(Layer):
             if out_val:
                 y = xp.stack([y, vals.astype(self.dtype)], axis=1)
         top[0].data = y.reshape(top[0].shape)
+
+
+# ------------------------------------------------------------------- Filter
+@register("Filter")
+class FilterLayer(Layer):
+    """Keeps the items (first-axis entries) whose selector value is nonzero:
+    the last bottom is the selector (N, or N x 1 x ...), top i holds bottom
+    i's selected items in order.  How many are kept depends on the data, so
+    forward sets the tops' shapes (the first reshape, before any data, gives
+    them all N items, as Caffe's).  Backward copies each kept item's diff
+    back and zeros the others; the selector takes no gradient."""
+    backward_reads_bottom_data = False     # memory planner (see Layer): the kept indices
+    backward_reads_top_data = False
+    backward_state = ("kept",)
+    min_bottom = 2
+    min_top = 1
+
+    def setup(self, bottom, top):
+        if len(top) != len(bottom) - 1:
+            raise self.error("needs one top per filtered bottom: %d bottoms (the last is the "
+                             "selector) need %d tops, got %d", len(bottom), len(bottom) - 1, len(top))
+        self.selector_index = len(bottom) - 1
+        self.kept = None
+        self.shaped = False
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index != self.selector_index
+
+    def reshape(self, bottom, top):
+        selector = bottom[-1]
+        if selector.num_axes == 0 or any(d != 1 for d in selector.shape[1:]):
+            raise self.error("the selector (last bottom) must hold one value per item (shape N or "
+                             "N x 1 x ...), got shape %s", selector.shape)
+        n = selector.shape[0]
+        for i, b in enumerate(bottom[:-1]):
+            if b.num_axes == 0 or b.shape[0] != n:
+                raise self.error("bottom %d of shape %s does not have the selector's %d items",
+                                 i, b.shape, n)
+        if not self.shaped:
+            for t, b in zip(top, bottom):
+                t.reshape(b.shape)
+            self.shaped = True
+
+    def forward(self, bottom, top):
+        self.kept = self.xp.nonzero(bottom[-1].data.reshape(-1))[0]
+        for t, b in zip(top, bottom):
+            t.reshape((self.kept.shape[0],) + b.shape[1:])
+            t.data = b.data[self.kept]
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[-1]:
+            raise self.error("cannot backpropagate to the selector (last bottom)")
+        for t, b, prop in zip(top, bottom, propagate_down):
+            if prop:
+                g = self.xp.zeros(b.shape, self.dtype)
+                g[self.kept] = t.diff
+                b.diff = g
+
+
+# ------------------------------------------------------------- BatchReindex
+@register("BatchReindex")
+class BatchReindexLayer(Layer):
+    """top item i = bottom 0's item idx[i], for the 1-D index bottom 1 (float
+    values, truncated to integers as Caffe's cast, after Caffe's range check
+    0 <= idx < N).  Backward sums the top's item diffs into the items they
+    came from (repeated indices add up); the indices take no gradient."""
+    backward_reads_top_data = False        # memory planner (see Layer): reads the indices
+    exact_num_bottom = 2
+    exact_num_top = 1
+
+    def allow_force_backward(self, bottom_index):
+        return bottom_index == 0
+
+    def reshape(self, bottom, top):
+        if bottom[1].num_axes != 1:
+            raise self.error("the indices (bottom 1) must be 1-D, got shape %s", bottom[1].shape)
+        if bottom[0].num_axes == 0:
+            raise self.error("bottom 0 must have an item axis, got a scalar")
+        top[0].reshape(bottom[1].shape[:1] + bottom[0].shape[1:])
+
+    def _indices(self, bottom):
+        idx = bottom[1].data
+        n = bottom[0].shape[0]
+        bad = (idx < 0) | (idx >= n)
+        if bool(bad.any()):
+            first = int(self.xp.argmax(bad))
+            raise self.error("index %g (entry %d of bottom 1) is out of range for the %d items "
+                             "of bottom 0 (shape %s)", float(idx[first]), first, n, bottom[0].shape)
+        return idx.astype(self.xp.int64)
+
+    def forward(self, bottom, top):
+        top[0].data = bottom[0].data[self._indices(bottom)]
+
+    def backward(self, top, propagate_down, bottom):
+        if propagate_down[1]:
+            raise self.error("cannot backpropagate to the indices (bottom 1)")
+        if not propagate_down[0]:
+            return
+        xp = self.xp
+        idx = self._indices(bottom)
+        n = bottom[0].shape[0]
+        # scatter-add as one-hot^T @ dy: one code path for NumPy and CuPy,
+        # summing repeated indices (the one-hot is only batch x batch)
+        onehot = (idx[:, None] == xp.arange(n)[None, :]).astype(self.dtype)
+        dy = top[0].diff.reshape(idx.shape[0], -1)
+        bottom[0].diff = (onehot.T @ dy).reshape(bottom[0].shape)
+
+
+# ---------------------------------------------------------------- Parameter
+@register("Parameter")
+class ParameterLayer(Layer):
+    """No bottoms; the one top is the layer's learnable blob of
+    ``parameter_param.shape`` (zeros until weights are loaded: Caffe leaves it
+    unfilled).  The top's data is the parameter's array (Caffe's ShareData).
+    Caffe shares the diff too; our blobs rebind their diffs, so backward adds
+    the top's diff to the parameter's (the same gradient, accumulating as
+    every parameter's does)."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    exact_num_bottom = 0
+    exact_num_top = 1
+
+    def setup(self, bottom, top):
+        shape = tuple(int(d) for d in self.param.parameter_param.shape.dim)
+        if any(d < 0 for d in shape):
+            raise self.error("parameter_param.shape %s has a negative dim", list(shape))
+        if self.blobs:
+            if len(self.blobs) != 1 or self.blobs[0].shape != shape:
+                raise self.error("parameter shapes %s do not match parameter_param.shape %s",
+                                 [b.shape for b in self.blobs], shape)
+        else:
+            self.blobs = [self.new_blob(shape)]
+
+    def reshape(self, bottom, top):
+        top[0].reshape(self.blobs[0].shape)
+
+    def forward(self, bottom, top):
+        top[0].data = self.blobs[0].data
+
+    def backward(self, top, propagate_down, bottom):
+        self.blobs[0].diff += top[0].diff

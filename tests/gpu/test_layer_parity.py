@@ -10,7 +10,11 @@ from caffempi.testing.parity import check_backend_parity
 pytestmark = pytest.mark.gpu
 
 # data-reading layers fill host batches; the training parity test covers Data
-FILE_DATA = {"Data", "ImageData", "HDF5Data", "MemoryData"}
+# (HDF5Output writes host copies of its bottoms: tests/layers/test_data_more.py)
+FILE_DATA = {"Data", "ImageData", "HDF5Data", "MemoryData", "WindowData", "HDF5Output"}
+# a Python layer computes with the user's module, not ours
+# (tests/layers/test_python_layer.py runs it)
+USER_CODE = {"Python"}
 
 
 def rand(*shape, seed=0):
@@ -28,6 +32,8 @@ def labels(n, classes, seed=0):
 
 CONV = 'type: "%s" convolution_param { %s weight_filler { type: "gaussian" std: 0.1 } bias_filler { type: "gaussian" std: 0.1 } }'
 POOL = 'type: "Pooling" pooling_param { %s }'
+RECURRENT = ('type: "%s" recurrent_param { num_output: 4 expose_hidden: %s '
+             'weight_filler { type: "gaussian" std: 0.5 } bias_filler { type: "gaussian" std: 0.5 } }')
 
 # (layer text, bottoms, options)
 CASES = {
@@ -40,6 +46,8 @@ CASES = {
     "BatchNorm": [('type: "BatchNorm"', [rand(4, 3, 5, 5)], {}),
                   ('type: "BatchNorm" batch_norm_param { use_global_stats: false eps: 0.001 }',
                    [rand(3, 4, 2, 2)], {})],
+    "BatchReindex": [('type: "BatchReindex"', [rand(4, 3, 2), np.array([2, 0, 2, 3.])],
+                      {"check_bottoms": [0]})],
     "Bias": [('type: "Bias" bias_param { filler { type: "gaussian" } }', [rand(2, 3, 4, 4)], {}),
              ('type: "Bias" bias_param { axis: 1 }', [rand(2, 3, 4, 4), rand(3, 4, seed=1)], {})],
     "Clip": [('type: "Clip" clip_param { min: -0.5 max: 0.7 }', [rand(2, 3, 4)], {})],
@@ -79,9 +87,14 @@ CASES = {
                [np.array([[0, 4, 2, 2], [2, 1, 1, 0]], float)], {"check_bottoms": []})],
     "EuclideanLoss": [('type: "EuclideanLoss"', [rand(4, 5), rand(4, 5, seed=1)], {})],
     "Exp": [('type: "Exp" exp_param { base: 2 scale: 0.5 shift: 0.1 }', [rand(2, 3, 4)], {})],
+    "Filter": [('type: "Filter"', [rand(5, 3), rand(5, 2, seed=1), np.array([1, 0, 1, 1, 0.])],
+                {"check_bottoms": [0, 1], "num_top": 2})],
     "Flatten": [('type: "Flatten"', [rand(2, 3, 4, 5)], {})],
     "HingeLoss": [('type: "HingeLoss" hinge_loss_param { norm: L2 }', [rand(5, 4), labels(5, 4)],
                    {"check_bottoms": [0]})],
+    "Im2col": [('type: "Im2col" convolution_param { kernel_size: 3 pad: 1 stride: 2 }', [rand(2, 3, 7, 6)], {}),
+               ('type: "Im2col" convolution_param { kernel_h: 2 kernel_w: 3 dilation: 2 }',
+                [rand(2, 2, 6, 7)], {})],
     "InfogainLoss": [('type: "InfogainLoss"', [rand(4, 3), labels(4, 3),
                                                  np.abs(rand(3, 3, seed=2)) + np.eye(3)],
                       {"check_bottoms": [0]})],
@@ -95,6 +108,13 @@ CASES = {
             ('type: "LRN" lrn_param { local_size: 3 alpha: 2 beta: 0.6 k: 2 }', [rand(2, 4, 3, 3)], {}),
             ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }',
              [rand(2, 3, 5, 6)], {})],
+    "LSTM": [(RECURRENT % ("LSTM", "false"), [rand(3, 2, 5), np.array([[0, 0], [1, 1], [1, 0.]])],
+              {"check_bottoms": [0]}),
+             (RECURRENT % ("LSTM", "true"), [rand(3, 2, 5), np.array([[1, 0], [1, 1], [0, 1.]]), rand(2, 3, seed=1),
+                                             rand(1, 2, 4, seed=2), rand(1, 2, 4, seed=3)],
+              {"check_bottoms": [0, 2, 3, 4], "num_top": 3})],
+    "LSTMUnit": [('type: "LSTMUnit"', [rand(1, 3, 4), rand(1, 3, 16, seed=1), np.array([[1, 0, 1.]])],
+                  {"check_bottoms": [0, 1], "num_top": 2})],
     "Log": [('type: "Log" log_param { base: 3 scale: 0.5 shift: 4 }', [rand(2, 3, 4)], {})],
     "MVN": [('type: "MVN"', [rand(2, 3, 4, 4)], {}),
             ('type: "MVN" mvn_param { across_channels: true normalize_variance: false }',
@@ -104,6 +124,7 @@ CASES = {
                                  {"check_bottoms": [0]})],
     "PReLU": [('type: "PReLU"', [rand(2, 3, 4, 4)], {}),
               ('type: "PReLU" prelu_param { channel_shared: true }', [rand(2, 3, 4, 4)], {})],
+    "Parameter": [('type: "Parameter" parameter_param { shape { dim: 2 dim: 3 } }', [], {"num_top": 1})],
     "Pooling": [
         (POOL % "pool: MAX kernel_size: 3 stride: 2", [distinct(2, 3, 9, 8)], {}),
         (POOL % "pool: MAX kernel_size: 2 stride: 2", [distinct(2, 3, 8, 8)], {}),
@@ -115,11 +136,15 @@ CASES = {
         (POOL % "pool: AVE global_pooling: true", [rand(2, 3, 5, 4)], {}),
     ],
     "Power": [('type: "Power" power_param { power: 2 scale: 0.5 shift: 3 }', [rand(2, 3, 4)], {})],
+    "RNN": [(RECURRENT % ("RNN", "true"), [rand(3, 2, 5), np.array([[1, 0], [1, 1], [0, 1.]]), rand(1, 2, 4, seed=2)],
+             {"check_bottoms": [0, 2], "num_top": 2})],
     "ReLU": [('type: "ReLU"', [rand(2, 3, 4)], {}),
              ('type: "ReLU" relu_param { negative_slope: 0.1 }', [rand(2, 3, 4)], {})],
     "Reduction": [('type: "Reduction" reduction_param { operation: %s axis: 1 coeff: -2 }' % op,
                    [distinct(2, 3, 4)], {}) for op in ("SUM", "ASUM", "SUMSQ", "MEAN")],
     "Reshape": [('type: "Reshape" reshape_param { shape { dim: 0 dim: -1 } }', [rand(2, 3, 4)], {})],
+    "SPP": [('type: "SPP" spp_param { pyramid_height: 3 pool: MAX }', [distinct(2, 3, 9, 8)], {}),
+            ('type: "SPP" spp_param { pyramid_height: 2 pool: AVE }', [rand(2, 3, 7, 6)], {})],
     "Scale": [('type: "Scale" scale_param { bias_term: true filler { type: "gaussian" } '
                'bias_filler { type: "gaussian" } }', [rand(2, 3, 4, 4)], {}),
               ('type: "Scale" scale_param { axis: 0 }', [rand(2, 3, 4, 4), rand(2, 3, seed=1)], {})],
@@ -149,7 +174,7 @@ PARAMS = [pytest.param(text, bottoms, opts, id="%s-%d" % (kind, i))
 
 def test_every_layer_type_has_a_case():
     ours = {name for name, cls in LAYER_REGISTRY.items() if cls.__module__.startswith("caffempi.layer_types")}
-    assert sorted(ours - FILE_DATA - set(CASES)) == []
+    assert sorted(ours - FILE_DATA - USER_CODE - set(CASES)) == []
 
 
 @pytest.mark.parametrize("text,bottoms,opts", PARAMS)
