@@ -12,3 +12,16 @@ from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,
                       RMSPropSolver, SGDSolver, get_solver)
 __all__ += ["get_solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver",
             "AdaDeltaSolver", "AdamSolver"]
+from .classifier import Classifier  # noqa: E402  (pycaffe's caffe.Classifier)
+__all__ += ["Classifier"]
+from .detector import Detector  # noqa: E402  (pycaffe's caffe.Detector)
+__all__ += ["Detector"]
+from .layer_types.base import LAYER_REGISTRY  # noqa: E402
+from .layer_types.python import Layer  # noqa: E402  (pycaffe's caffe.Layer, for Python layers)
+from .net_spec import NetSpec, layers, params, to_proto  # noqa: E402  (pycaffe's NetSpec, L and P)
+__all__ += ["Layer", "NetSpec", "layers", "params", "to_proto", "layer_type_list"]
+
+
+def layer_type_list():
+    """pycaffe's layer_type_list: the registered layer type names, sorted."""
+    return sorted(LAYER_REGISTRY)

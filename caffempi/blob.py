@@ -1,5 +1,9 @@
 """Blob: an N-d array with its gradient (``diff``), as in Caffe and pycaffe."""
+import numbers
+
 import numpy as np
+
+from .common import CaffeError
 
 
 class Blob:
@@ -53,8 +57,12 @@ class Blob:
             n *= d
         return n
 
-    def reshape(self, shape):
-        shape = tuple(int(d) for d in shape)
+    def reshape(self, *dims):
+        """``reshape(2, 3)`` as pycaffe, or ``reshape((2, 3))``; ``reshape()`` is a
+        0-D (scalar) blob.  Data keeps its values when the shape is unchanged."""
+        if len(dims) == 1 and not isinstance(dims[0], numbers.Integral):
+            dims = dims[0]
+        shape = tuple(int(d) for d in dims)
         if any(d < 0 for d in shape):
             raise ValueError("negative blob dimension in %s" % (shape,))
         if shape == self._shape and self._data is not None:
@@ -71,6 +79,30 @@ class Blob:
 
     def reshape_like(self, other):
         self.reshape(other.shape)
+
+    def legacy_shape(self, index):
+        """Caffe's LegacyShape: axis ``index`` of a blob of at most 4 axes, 1
+        past its last axis (``num``/``channels``/``height``/``width``)."""
+        if len(self._shape) > 4:
+            raise CaffeError("cannot use the legacy accessors (num, channels, height, width) "
+                             "on a blob of %d axes %s" % (len(self._shape), self._shape))
+        return self._shape[index] if index < len(self._shape) else 1
+
+    @property
+    def num(self):
+        return self.legacy_shape(0)
+
+    @property
+    def channels(self):
+        return self.legacy_shape(1)
+
+    @property
+    def height(self):
+        return self.legacy_shape(2)
+
+    @property
+    def width(self):
+        return self.legacy_shape(3)
 
     # ------------------------------------------------------------ data / diff
     @property
@@ -130,3 +162,16 @@ class Blob:
 
     def __repr__(self):
         return "Blob(%s)" % (self._shape,)
+
+
+class BlobVec(list):
+    """pycaffe's BlobVec: a layer's list of parameter blobs; ``add_blob(*dims)``
+    appends a blob of zeros on the layer's array module and dtype."""
+
+    def __init__(self, xp=np, dtype=np.float32):
+        super().__init__()
+        self.xp = xp
+        self.dtype = np.dtype(dtype)
+
+    def add_blob(self, *dims):
+        self.append(Blob(dims, self.xp, self.dtype))

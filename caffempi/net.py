@@ -1,17 +1,19 @@
 """Net: a Caffe NetParameter turned into layers and blobs that run forward and
 backward (Caffe's Net::Init, with pycaffe-like access)."""
 from collections import OrderedDict
+from itertools import zip_longest
 import os
 
 import numpy as np
 
 from . import layer_types  # noqa: F401  (registers every layer type)
-from .backend import default_array_module
+from .backend import default_array_module, to_numpy
 from .blob import Blob
 from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
 from .io.atomic import atomic_path
 from .layer_types.base import create_layer
+from .layer_types.recurrent import use_net_class
 from .proto import caffe_pb2
 
 
@@ -97,13 +99,43 @@ def split_top_name(blob, layer, top_index, k):
     return "%s_%s_%d_split_%d" % (blob, layer, top_index, k)
 
 
+class LayerBlobNames(OrderedDict):
+    """pycaffe's ``net.top_names`` / ``net.bottom_names``: layer name -> list of
+    blob names, in layer order.  An int key is a layer index (the memory plan
+    and the tools walk layers by index, and Caffe allows duplicate layer
+    names, which the name keys would merge)."""
+
+    def __init__(self, layer_names=(), names_per_layer=()):
+        super().__init__(zip(layer_names, names_per_layer))
+        self.per_layer = list(names_per_layer)
+
+    def __getitem__(self, key):
+        return super().__getitem__(key) if isinstance(key, str) else self.per_layer[key]
+
+
+def reshape_layer(layer, bottoms, tops):
+    """``layer.reshape``, a shape error reported naming the layer and its bottoms' shapes."""
+    try:
+        layer.reshape(bottoms, tops)
+    except (ValueError, IndexError) as e:      # a CaffeError passes through as it is
+        raise CaffeError("layer '%s' (%s): %s (bottom shapes %s)" % (
+            layer.name, layer.type, e, [b.shape for b in bottoms]))
+
+
 class Net:
     """A network of layers built from a NetParameter for one phase and state.
 
-    Access as in pycaffe: ``net.blobs[name].data``, ``net.params[layer][i]``,
-    ``net.forward()``, ``net.backward()``.  All learnable parameters live in
-    two flat buffers (``param_data``, ``param_diff``) in layer order, so the
-    gradients of consecutive layers are contiguous ranges for the allreduce.
+    Access as in pycaffe (``Net(model, phase, weights=...)`` or
+    ``Net(model, weights, phase)``): ``blobs``, ``params`` (layer name -> its
+    parameter blobs), ``layers``, ``layer_dict``, ``layer_names`` (pycaffe's
+    ``_layer_names``), ``inputs``, ``outputs``, ``top_names``/``bottom_names``,
+    ``blob_loss_weights``, ``forward``/``backward``/``forward_all``/
+    ``forward_backward_all``, ``reshape()``, ``set_input_arrays``,
+    ``share_with``, ``copy_from``, ``save``, ``save_hdf5``/``load_hdf5``.
+
+    All learnable parameters live in two flat buffers (``param_data``,
+    ``param_diff``) in layer order, so the gradients of consecutive layers are
+    contiguous ranges for the allreduce.
 
     ``memory`` ("none" by default here, "reuse" or "recompute"; the solver
     and the CLI use "reuse"; see :mod:`caffempi.memory`) frees activation
@@ -158,7 +190,7 @@ class Net:
         self.layer_names = []
         self.blobs = OrderedDict()
         self.bottom_vecs, self.top_vecs = [], []
-        self.bottom_names, self.top_names = [], []
+        bottom_names, top_names = [], []
         self.loss_weights = []          # per layer: list of (top index, weight)
         available = set()               # blobs produced and not yet consumed
         for lp in self.net_param.layer:
@@ -180,11 +212,7 @@ class Net:
                 available.add(name)
             layer.check_blob_counts(bottoms, tops)
             layer.setup(bottoms, tops)
-            try:
-                layer.reshape(bottoms, tops)
-            except (ValueError, IndexError) as e:      # a CaffeError passes through as it is
-                raise CaffeError("layer '%s' (%s): %s (bottom shapes %s)" % (
-                    lp.name, lp.type, e, [b.shape for b in bottoms]))
+            reshape_layer(layer, bottoms, tops)
             weights = []
             if len(lp.loss_weight) > len(tops):
                 raise CaffeError("layer '%s': %d loss_weight values for %d tops"
@@ -200,16 +228,34 @@ class Net:
             self.layer_names.append(lp.name)
             self.bottom_vecs.append(bottoms)
             self.top_vecs.append(tops)
-            self.bottom_names.append(list(lp.bottom))
-            self.top_names.append(list(lp.top))
+            bottom_names.append(list(lp.bottom))
+            top_names.append(list(lp.top))
             self.loss_weights.append(weights)
             log.debug("Setting up %s", lp.name)
             for name, blob in zip(lp.top, tops):
                 log.debug("Top shape: %s %s (%d)", name, " ".join(map(str, blob.shape)), blob.count)
+        self.bottom_names = LayerBlobNames(self.layer_names, bottom_names)
+        self.top_names = LayerBlobNames(self.layer_names, top_names)
         self.outputs = [n for n in self.blobs if n in available]
-        self.inputs = [self.top_names[i][j] for i, l in enumerate(self.layers) if l.type == "Input"
-                       for j in range(len(self.top_names[i]))]
-        self._layer_by_name = {n: l for n, l in zip(self.layer_names, self.layers)}
+        self.inputs = [name for layer, names in zip(self.layers, top_names) if layer.type == "Input"
+                       for name in names]
+        self.layer_dict = OrderedDict(zip(self.layer_names, self.layers))
+
+    @property
+    def _layer_names(self):
+        """pycaffe's name for :attr:`layer_names`."""
+        return self.layer_names
+
+    @property
+    def blob_loss_weights(self):
+        """Blob name -> the loss weight of the layer that last writes it (0 for
+        blobs that are no loss), as pycaffe's ``blob_loss_weights``."""
+        weights = OrderedDict((name, 0.0) for name in self.blobs)
+        for names, layer_weights in zip(self.top_names.per_layer, self.loss_weights):
+            top_weights = dict(layer_weights)
+            for j, name in enumerate(names):
+                weights[name] = top_weights.get(j, 0.0)
+        return weights
 
     def _init_params(self):
         """Resolve shared params, collect learnable ones and move them into the
@@ -230,10 +276,10 @@ class Net:
             for pi, blob in enumerate(layer.blobs):
                 if pi < len(lp.param):
                     spec = lp.param[pi]
-                    if layer.statistics_params and spec.lr_mult != 0:
+                    if pi < layer.statistics_params and spec.lr_mult != 0:
                         raise CaffeError("layer '%s': cannot configure %s statistics as learnable parameters "
                                          "(param %d has lr_mult %g)" % (lp.name, lp.type, pi, spec.lr_mult))
-                elif layer.statistics_params:
+                elif pi < layer.statistics_params:
                     spec = caffe_pb2.ParamSpec(lr_mult=0, decay_mult=0)
                 else:
                     spec = caffe_pb2.ParamSpec()
@@ -347,27 +393,51 @@ class Net:
             if self.layer_need_backward[i]:
                 if mm:
                     mm.before_backward(i)
-                tops = self.top_vecs[i]
-                for j, w in self.loss_weights[i]:
-                    tops[j].diff = self.xp.full(tops[j].shape, w * self.gradient_scale, self.dtype)
-                self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
+                layer, tops = self.layers[i], self.top_vecs[i]
+                scale = self.gradient_scale
+                if scale != 1.0 and layer.may_ignore_loss_diff and self.loss_weights[i]:
+                    self._backward_at_unit_scale(i, scale)
+                else:
+                    for j, w in self.loss_weights[i]:
+                        tops[j].diff = self.xp.full(tops[j].shape, w * scale, self.dtype)
+                    layer.backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
             if mm:
                 mm.after_backward(i)
             for hook in self._backward_hooks:
                 hook(i)
 
+    def _backward_at_unit_scale(self, i, scale):
+        """Layer i's backward as in one process (its loss tops' diffs hold
+        the loss weights, its other tops' diffs divided by ``scale``), then
+        its bottom diffs and this pass's parameter diff increments times
+        ``scale``: right whether or not the layer reads its loss diffs
+        (backward is linear in the top diffs)."""
+        layer, tops, bottoms = self.layers[i], self.top_vecs[i], self.bottom_vecs[i]
+        loss_tops = {j for j, _ in self.loss_weights[i]}
+        for j, w in self.loss_weights[i]:
+            tops[j].diff = self.xp.full(tops[j].shape, w, self.dtype)
+        for j, top in enumerate(tops):
+            if j not in loss_tops:
+                top.diff = top.diff / scale
+        before = [p.diff.copy() for p in layer.blobs]
+        layer.backward(tops, self.bottom_need_backward[i], bottoms)
+        for bottom, need in zip(bottoms, self.bottom_need_backward[i]):
+            if need:
+                bottom.diff = bottom.diff * scale
+        for p, old in zip(layer.blobs, before):
+            p.diff[...] = old + (p.diff - old) * scale
+
     def forward(self, blobs=None, start=None, end=None, **kwargs):
-        """pycaffe's forward: set inputs from kwargs, run, return the outputs."""
-        for name, value in kwargs.items():
-            blob = self.blobs[name]
-            blob.reshape(value.shape)
-            if self.memory.is_freed(blob):      # a placeholder: give it storage
-                blob.data = self.xp.array(value, dtype=self.dtype)
-            else:
-                blob.data[...] = self.xp.asarray(value)
-        s = 0 if start is None else self.layer_names.index(start)
-        e = len(self.layers) - 1 if end is None else self.layer_names.index(end)
-        names = set(self.outputs if end is None else self.top_names[e]) | set(blobs or ())
+        """pycaffe's forward: copy ``kwargs`` (input name -> array with the
+        input blob's batch size, broadcast to its shape) into the inputs, run
+        the layers ``start`` to ``end`` (names, inclusive), and return
+        {name: data} of the outputs (of the tops of ``end`` when given) and of
+        the blobs named in ``blobs``.  For another batch size, reshape the
+        input blob first, as in pycaffe."""
+        self._write_blobs(kwargs, self.inputs, "data", "forward")
+        s = self._layer_index(start, 0, "forward")
+        e = self._layer_index(end, len(self.layers) - 1, "forward")
+        names = set(self.outputs if end is None else self.top_names[e]) | self._blob_names(blobs, "forward")
         keep = self.memory.extra_keep
         self.memory.extra_keep = keep | names
         try:
@@ -377,12 +447,22 @@ class Net:
         return {n: self.blobs[n].data for n in self.blobs if n in names}
 
     def backward(self, diffs=None, start=None, end=None, **kwargs):
-        """pycaffe's backward: optional top diffs as kwargs; returns input diffs."""
-        for name, value in kwargs.items():
-            self.blobs[name].diff = self.xp.asarray(value, self.dtype)
-        s = len(self.layers) - 1 if start is None else self.layer_names.index(start)
-        e = 0 if end is None else self.layer_names.index(end)
-        names = set(self.inputs) | set(diffs or ())
+        """pycaffe's backward: copy ``kwargs`` (output name -> diff array, as
+        forward's inputs) into the outputs' diffs, run backward from layer
+        ``start`` down to ``end`` (names, inclusive), and return {name: diff}
+        of the inputs (of the bottoms of ``end`` when given) and of the blobs
+        named in ``diffs``.  A loss output's diff is its loss weight (set
+        every pass), so no diff may be given for it."""
+        loss_weights = self.blob_loss_weights
+        for name in kwargs:
+            if loss_weights.get(name):
+                raise CaffeError("backward: '%s' is a loss output (loss weight %g), whose diff is its "
+                                 "loss weight; give diffs only for outputs that are no loss"
+                                 % (name, loss_weights[name]))
+        self._write_blobs(kwargs, self.outputs, "diff", "backward")
+        s = self._layer_index(start, len(self.layers) - 1, "backward")
+        e = self._layer_index(end, 0, "backward")
+        names = set(self.inputs if end is None else self.bottom_names[e]) | self._blob_names(diffs, "backward")
         keep = self.memory.extra_keep_diff
         self.memory.extra_keep_diff = keep | names
         try:
@@ -390,6 +470,149 @@ class Net:
         finally:
             self.memory.extra_keep_diff = keep
         return {n: self.blobs[n].diff for n in self.blobs if n in names}
+
+    def forward_all(self, blobs=None, **kwargs):
+        """pycaffe's forward_all: ``kwargs`` (input name -> array of N items,
+        any N) run through the net one batch at a time, the last batch padded
+        with zeros; returns {name: NumPy array} of the outputs and ``blobs``
+        with the batches joined and the padding cut off (N items).  An output
+        without the batch axis (a scalar loss) gets one entry per batch.
+        Without ``kwargs``, one forward pass (the data layers' next batch)."""
+        outs = {}
+        size, total = self._batch_plan(kwargs, "forward_all")
+        for batch in self._batches(kwargs, size, total):
+            self._collect(outs, self.forward(blobs=blobs, **batch))
+        return self._join_batches(outs, size, total)
+
+    def forward_backward_all(self, blobs=None, diffs=None, **kwargs):
+        """pycaffe's forward_backward_all: ``kwargs`` holds input arrays (for
+        forward) and output diffs (for backward), all of N items, run a batch
+        at a time as in :meth:`forward_all`; returns ({name: data} of the
+        outputs and ``blobs``, {name: diff} of the inputs and ``diffs``)."""
+        for name in kwargs:
+            if name not in self.inputs and name not in self.outputs:
+                raise CaffeError("forward_backward_all: '%s' is neither an input nor an output of net '%s' "
+                                 "(inputs: %s; outputs: %s)" % (name, self.name, ", ".join(self.inputs),
+                                                                 ", ".join(self.outputs)))
+        size, total = self._batch_plan(kwargs, "forward_backward_all")
+        inputs = {n: a for n, a in kwargs.items() if n in self.inputs}
+        top_diffs = {n: a for n, a in kwargs.items() if n not in self.inputs}
+        outs, grads = {}, {}
+        for fb, bb in zip_longest(self._batches(inputs, size, total), self._batches(top_diffs, size, total),
+                                  fillvalue={}):
+            self._collect(outs, self.forward(blobs=blobs, **fb))
+            self._collect(grads, self.backward(diffs=diffs, **bb))
+        return self._join_batches(outs, size, total), self._join_batches(grads, size, total)
+
+    def _batch_plan(self, arrays, what):
+        """(batch size, N) for pycaffe's batching of ``arrays`` (the batch
+        size of the first named blob, as every array has it), or (None, None)
+        without arrays."""
+        if not arrays:
+            return None, None
+        lengths = {name: len(a) for name, a in arrays.items()}
+        if len(set(lengths.values())) > 1:
+            raise CaffeError("%s: the arrays have different lengths %s" % (what, lengths))
+        first = next(iter(arrays))
+        if first not in self.blobs or not self.blobs[first].shape:
+            raise CaffeError("%s: net '%s' has no batched blob '%s'" % (what, self.name, first))
+        total = lengths[first]
+        if total == 0:
+            raise CaffeError("%s: the arrays are empty" % what)
+        return self.blobs[first].shape[0], total
+
+    @staticmethod
+    def _batches(arrays, size, total):
+        """The arrays cut into dicts of ``size`` items, the last padded with
+        zeros (pycaffe's _batch); one empty dict without a plan."""
+        if size is None:
+            return [{}]
+        if not arrays:
+            return []
+        arrays = {name: to_numpy(a) for name, a in arrays.items()}
+        batches = []
+        for i in range(0, total, size):
+            batch = {}
+            for name, a in arrays.items():
+                part = a[i:i + size]
+                if len(part) < size:
+                    part = np.concatenate([part, np.zeros((size - len(part),) + a.shape[1:], a.dtype)])
+                batch[name] = part
+            batches.append(batch)
+        return batches
+
+    @staticmethod
+    def _collect(pieces, arrays):
+        for name, a in arrays.items():
+            pieces.setdefault(name, []).append(to_numpy(a).copy())
+
+    @staticmethod
+    def _join_batches(pieces, size, total):
+        """Per-batch arrays joined along the batch axis and cut to ``total``
+        items; arrays without the batch axis are stacked, one per batch."""
+        out = {}
+        for name, arrays in pieces.items():
+            if size is None:
+                out[name] = arrays[0]
+            elif arrays[0].ndim and arrays[0].shape[0] == size:
+                out[name] = np.concatenate(arrays)[:total]
+            else:
+                out[name] = np.stack(arrays)
+        return out
+
+    def _layer_index(self, name, default, what):
+        if name is None:
+            return default
+        try:
+            return self.layer_names.index(name)
+        except ValueError:
+            raise CaffeError("%s: net '%s' has no layer '%s'" % (what, self.name, name)) from None
+
+    def _blob_names(self, names, what):
+        names = set(names or ())
+        unknown = sorted(names - set(self.blobs))
+        if unknown:
+            raise CaffeError("%s: net '%s' has no blob %s" % (what, self.name, ", ".join(map(repr, unknown))))
+        return names
+
+    def _write_blobs(self, arrays, allowed, attr, what):
+        """Copy each array into ``blobs[name].<attr>`` (data or diff) in place,
+        as pycaffe: the name is one of ``allowed``, the array has the blob's
+        batch size and broadcasts to its shape."""
+        kind = "input" if attr == "data" else "output"
+        for name, value in arrays.items():
+            if name not in allowed:
+                raise CaffeError("%s: '%s' is not an %s of net '%s' (%ss: %s)" % (
+                    what, name, kind, self.name, kind, ", ".join(allowed) or "none"))
+            blob = self.blobs[name]
+            value = self.xp.asarray(value)
+            fits = value.shape[:1] == blob.shape[:1]
+            if fits:
+                try:
+                    getattr(blob, attr)[...] = value
+                except ValueError:              # does not broadcast to the blob's shape
+                    fits = False
+            if not fits:
+                raise CaffeError("%s: %s '%s' has shape %s, the blob has shape %s (batch size %s; to change "
+                                 "it, reshape the blob: net.blobs['%s'].reshape(...))" % (
+                                     what, kind, name, tuple(value.shape), blob.shape,
+                                     blob.shape[0] if blob.shape else "none", name))
+
+    def reshape(self):
+        """Caffe's Net::Reshape: every layer sets its tops' shapes from its
+        bottoms' (after an input blob was reshaped)."""
+        for layer, bottoms, tops in zip(self.layers, self.bottom_vecs, self.top_vecs):
+            reshape_layer(layer, bottoms, tops)
+
+    def set_input_arrays(self, data, labels):
+        """pycaffe's set_input_arrays: N×C×H×W data and N labels that the net's
+        first layer, a MemoryData layer, serves a batch at a time (N a multiple
+        of its batch_size)."""
+        first = self.layers[0].type if self.layers else "none"
+        if first != "MemoryData":
+            raise CaffeError("set_input_arrays: the first layer of net '%s' must be MemoryData, it is %s"
+                             % (self.name, first))
+        self.layers[0].reset(data, labels)
 
     def forward_backward(self):
         """One training pass; returns the loss.  Param diffs accumulate."""
@@ -416,14 +639,14 @@ class Net:
 
     def set_data_state(self, state):
         for name, st in state.items():
-            if name in self._layer_by_name and hasattr(self._layer_by_name[name], "set_state"):
-                self._layer_by_name[name].set_state(st)
+            if name in self.layer_dict and hasattr(self.layer_dict[name], "set_state"):
+                self.layer_dict[name].set_state(st)
 
     def data_wait_seconds(self):
         return sum(getattr(l, "wait_seconds", 0.0) for l in self.layers)
 
     def layer(self, name):
-        return self._layer_by_name[name]
+        return self.layer_dict[name]
 
     def output_values(self):
         """(blob name, values, loss weight) for every output, as Caffe logs them."""
@@ -476,17 +699,20 @@ class Net:
         else:
             where = str(path_or_param)
             if where.endswith(".h5") or where.endswith(".hdf5"):
-                return self._copy_from_hdf5(where)
+                return self.load_hdf5(where)
             src = proto_io.read_net_param(where)
         for lp in src.layer:
-            if lp.name not in self._layer_by_name or not lp.blobs:
+            if lp.name not in self.layer_dict or not lp.blobs:
                 continue
-            target = self._layer_by_name[lp.name].blobs
+            target = self.layer_dict[lp.name].blobs
             if len(target) != len(lp.blobs):
                 raise CaffeError("%s: layer '%s' has %d parameter blobs, the net expects %d"
                                  % (where, lp.name, len(lp.blobs), len(target)))
             for k, bp in enumerate(lp.blobs):
-                arr = proto_io.blob_proto_to_array(bp)
+                try:
+                    arr = proto_io.blob_proto_to_array(bp)
+                except proto_io.ProtoError as e:
+                    raise CaffeError("%s: layer '%s' param %d: %s" % (where, lp.name, k, e)) from None
                 blob = target[k]
                 arr = self._fit_shape(arr, bp, blob.shape, where, lp.name, k)
                 blob.data = self.xp.asarray(arr, self.dtype)
@@ -500,15 +726,26 @@ class Net:
         raise CaffeError("%s: cannot copy param %d of layer '%s': source shape %s, target shape %s"
                          % (where, k, layer_name, arr.shape, tuple(shape)))
 
-    def _copy_from_hdf5(self, path):
+    def load_hdf5(self, path):
+        """Copy parameters by layer name from Caffe's HDF5 layout (data/<layer>/<i>),
+        as Caffe's CopyTrainedLayersFromHDF5."""
         import h5py
-        with h5py.File(path, "r") as f:
+        try:
+            f = h5py.File(path, "r")
+        except OSError as e:
+            raise CaffeError("cannot read weights from %s: %s" % (os.fspath(path), e)) from None
+        with f:
+            if "data" not in f:
+                raise CaffeError("%s: no 'data' group (not Caffe's HDF5 weights layout)" % os.fspath(path))
             group = f["data"]
             for name in group:
-                if name not in self._layer_by_name:
+                if name not in self.layer_dict:
                     continue
-                target = self._layer_by_name[name].blobs
-                for k in range(len(group[name])):
+                target = self.layer_dict[name].blobs
+                if len(group[name]) != len(target):
+                    raise CaffeError("%s: layer '%s' has %d parameter blobs, the net expects %d"
+                                     % (path, name, len(group[name]), len(target)))
+                for k in range(len(target)):
                     arr = np.asarray(group[name][str(k)])
                     if arr.shape != target[k].shape:
                         raise CaffeError("%s: cannot copy param %d of layer '%s': source shape %s, target shape %s"
@@ -555,8 +792,8 @@ class Net:
         """Make this net's same-named layers use ``other``'s parameter blobs
         (a test net sharing the train net's weights, as Caffe's ShareTrainedLayersWith)."""
         for name, layer in zip(self.layer_names, self.layers):
-            if name in other._layer_by_name and layer.blobs:
-                src = other._layer_by_name[name].blobs
+            if name in other.layer_dict and layer.blobs:
+                src = other.layer_dict[name].blobs
                 if len(src) != len(layer.blobs):
                     raise CaffeError("layer '%s': %d parameter blobs in the train net, %d in the test net"
                                      % (name, len(src), len(layer.blobs)))
@@ -568,6 +805,8 @@ class Net:
                 if name in self.params:
                     self.params[name] = layer.blobs
 
+    share_with = share_weights      # pycaffe's name
+
     def memory_summary(self):
         """Sizes of the activation blobs (all of them, as Caffe allocates) and
         of the parameters; ``caffempi.memory.measure``
@@ -575,6 +814,10 @@ class Net:
         act = sum(b.count for b in self.blobs.values()) * self.dtype.itemsize
         par = self.param_data.size * self.dtype.itemsize
         return {"activation_bytes": act, "param_bytes": par}
+
+
+# RNN and LSTM run an unrolled Net inside (they cannot import this module).
+use_net_class(Net)
 
 
 def phase_from_name(name):

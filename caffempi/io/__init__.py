@@ -1,4 +1,15 @@
-"""File I/O for Caffe protobuf formats (prototxt, binaryproto, caffemodel)."""
+"""File I/O for Caffe protobuf formats (prototxt, binaryproto, caffemodel), and
+pycaffe's ``caffe.io`` (Transformer, load_image, BlobProto/Datum conversions)."""
+from .blobproto import (
+    ConversionError,
+    array_to_blobproto,
+    array_to_datum,
+    arraylist_to_blobprotovector_str,
+    blobproto_to_array,
+    blobprotovector_str_to_arraylist,
+    datum_to_array,
+)
+from .image import Transformer, center_crop_box, load_image, oversample, resize_image
 from .proto_io import (
     ProtoError,
     array_to_blob_proto,
@@ -15,6 +26,18 @@ from .proto_io import (
 )
 
 __all__ = [
+    "ConversionError",
+    "Transformer",
+    "array_to_blobproto",
+    "array_to_datum",
+    "arraylist_to_blobprotovector_str",
+    "blobproto_to_array",
+    "blobprotovector_str_to_arraylist",
+    "center_crop_box",
+    "datum_to_array",
+    "load_image",
+    "oversample",
+    "resize_image",
     "ProtoError",
     "array_to_blob_proto",
     "blob_proto_shape",
