@@ -20,12 +20,18 @@ setup(
         "threadpoolctl>=3.1",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "scipy>=1.11"],
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "scipy>=1.11", "pydot>=1.4",
+                 "plyvel>=1.5; python_version < '3.13'"],
         "mpich": ["mpich>=4.2"],
         # CuPy's wheels are per CUDA major version
         "gpu": ["cupy-cuda12x>=13"],
         "gpu-cuda13": ["cupy-cuda13x>=14"],
         "proto": ["grpcio-tools>=1.60"],
+        # backend: LEVELDB.  plyvel's wheels are for CPython <= 3.12 (newer
+        # Pythons build it from source against libleveldb), hence not required
+        "leveldb": ["plyvel>=1.5"],
+        # caffempi.draw / tools/draw_net.py (png and other images also need Graphviz)
+        "draw": ["pydot>=1.4"],
     },
     entry_points={"console_scripts": ["caffempi = caffempi.cli:main"]},
 )

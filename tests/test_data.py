@@ -386,7 +386,7 @@ def test_missing_and_empty_databases(tmp_path):
     lmdb_io.LMDBWriter(empty).close()
     with pytest.raises(CaffeError, match="empty"):
         data_net(str(empty), 2)
-    with pytest.raises(CaffeError, match="LEVELDB|plyvel"):
+    with pytest.raises(CaffeError, match="not a LevelDB database .*it is an LMDB: backend: LMDB"):
         p = text_format.Parse('layer { name: "d" type: "Data" top: "data" data_param { source: "%s" '
                               'batch_size: 2 backend: LEVELDB } }' % empty, caffe_pb2.NetParameter())
         Net(p, TRAIN)

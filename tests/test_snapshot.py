@@ -104,6 +104,10 @@ def _schema_without_extension():
     fdp.message_type.extend(keep)
     del fdp.enum_type[:]
     del fdp.dependency[:]
+    for m in fdp.message_type:      # NVCaffe's raw_data fields are not BVLC's
+        bvlc_fields = [f for f in m.field if not f.name.startswith("raw_")]
+        del m.field[:]
+        m.field.extend(bvlc_fields)
     for m in fdp.message_type:
         for f in m.field:
             if f.type_name.startswith(".caffe."):

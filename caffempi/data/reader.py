@@ -1,7 +1,7 @@
 """Threaded batch prefetching for the data layers (Caffe's prefetch threads).
 
 Per data layer and rank: one *producer* thread walks the source in stream
-order (the LMDB cursor, the image list, ...) and hands each batch's raw
+order (the database cursor, the image list, ...) and hands each batch's raw
 records to a small pool of *worker* threads (``config.settings.data_workers``:
 CAFFEMPI_DATA_WORKERS, default 2) that decode and transform them.  Finished
 batches come out in order through a bounded queue of ``prefetch`` batches.
@@ -196,28 +196,44 @@ atexit.register(stop_all)
 
 
 # ------------------------------------------------------------------ sources
-def lmdb_producer(env, path, num, batch_size, rank, size, skip):
-    """Producer for an LMDB: walk the cursor in key order (wrapping), yielding
-    ``(k, [(key, value), ...])`` for this rank's batches from ``start`` on.
-    Records of other ranks are stepped over without reading their values."""
+def db_producer(db, batch_size, rank, size, skip, shuffled=None):
+    """Producer for a database (:mod:`caffempi.data.db`, LMDB or LevelDB),
+    yielding ``(k, [(key, value), ...])`` for this rank's batches from
+    ``start`` on.  Stream position p is record p + skip, wrapping: epoch e
+    = (p + skip) // num reads the records in key order, walking the cursor
+    and stepping over other ranks' records without reading their values, or,
+    when ``shuffled(e)`` gives (keys, permutation), record i of the epoch is
+    the one with key keys[permutation[i]], read by seeking."""
+    num = db.num
+
     def produce(start, stopped):
-        with env.begin(buffers=False) as txn:
-            cur = txn.cursor()
+        with db.cursor() as cur:
             if not cur.first():
-                raise CaffeError("%s: the database is empty" % path)
-            at = 0
+                raise CaffeError("%s: the database is empty" % db.path)
+            at = 0                     # the cursor's record in key order; num: unknown
+            order_epoch, order = None, None
             k = start
             while not stopped():
                 recs = []
                 for p in shard_positions(k, batch_size, rank, size):
-                    i = (p + skip) % num
+                    epoch, i = divmod(p + skip, num)
+                    if shuffled is not None and epoch != order_epoch:
+                        order_epoch, order = epoch, shuffled(epoch)
+                    if order is not None:
+                        keys, permutation = order
+                        key = keys[permutation[i]]
+                        if not cur.set_key(key):
+                            raise CaffeError("%s: key %r disappeared from the database" % (db.path, key))
+                        at = num
+                        recs.append((key, cur.value()))
+                        continue
                     if i < at:
                         cur.first()
                         at = 0
                     while at < i:
                         if not cur.next():
                             raise CaffeError("%s: the database has fewer records than its %d entries"
-                                             % (path, num))
+                                             % (db.path, num))
                         at += 1
                     recs.append((cur.key(), cur.value()))
                 yield k, recs

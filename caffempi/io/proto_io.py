@@ -18,6 +18,7 @@ from google.protobuf import text_format
 
 from ..common import CaffeError
 from ..proto import caffe_pb2
+from . import nvcaffe
 from .atomic import write_bytes_atomic
 
 __all__ = [
@@ -235,7 +236,8 @@ def upgrade_net_param(net_param, source_name="<NetParameter>"):
     V1 ``layers`` become ``layer`` entries, legacy data-transformation fields
     move to ``transform_param``, net-level ``input`` declarations become one
     ``Input`` layer, and old-style BatchNorm param specs are dropped.  V0 nets
-    are rejected.  Returns ``net_param``.
+    are rejected; NVCaffe fields without effect here are warned about once.
+    Returns ``net_param``.
     """
     if any(l.HasField("layer") for l in net_param.layers):
         raise ProtoError("%s: V0 net format is not supported" % source_name)
@@ -249,6 +251,7 @@ def upgrade_net_param(net_param, source_name="<NetParameter>"):
         for lp in net_param.layer:
             if lp.type == "BatchNorm" and len(lp.param) == 3:
                 del lp.param[:]
+    nvcaffe.warn_ignored_fields(net_param, source_name)
     return net_param
 
 
@@ -387,7 +390,8 @@ _SOLVER_TYPE_NAMES = {
 
 
 def upgrade_solver_param(solver_param, source_name="<SolverParameter>"):
-    """Legacy ``solver_type`` enum -> ``type`` string (UpgradeSolverType)."""
+    """Legacy ``solver_type`` enum -> ``type`` string (UpgradeSolverType);
+    NVCaffe fields without effect here are warned about once."""
     if solver_param.HasField("solver_type"):
         if solver_param.HasField("type"):
             raise ProtoError(
@@ -400,6 +404,7 @@ def upgrade_solver_param(solver_param, source_name="<SolverParameter>"):
                              % (source_name, solver_param.solver_type)) from None
         solver_param.type = name
         solver_param.ClearField("solver_type")
+    nvcaffe.warn_ignored_fields(solver_param, source_name)
     return solver_param
 
 
@@ -461,26 +466,47 @@ def _repeated_numeric(blob_proto, attr, dtype):
     return np.asarray(container, dtype)
 
 
+# NVCaffe's raw_data / raw_diff: little-endian values of these types.
+_RAW_DTYPES = {caffe_pb2.FLOAT16: np.dtype("<f2"), caffe_pb2.FLOAT: np.dtype("<f4"),
+               caffe_pb2.DOUBLE: np.dtype("<f8")}
+
+
+def _raw_values(blob_proto, what, shape, count):
+    """The values of NVCaffe's ``raw_<what>`` bytes (``raw_<what>_type``)."""
+    raw, type_field = "raw_" + what, "raw_%s_type" % what
+    if not blob_proto.HasField(type_field):
+        raise ProtoError("blob has %s but no %s" % (raw, type_field))
+    raw_type = getattr(blob_proto, type_field)
+    dtype = _RAW_DTYPES.get(raw_type)
+    if dtype is None:
+        raise ProtoError("blob %s has type %s; only FLOAT16, FLOAT and DOUBLE are supported"
+                         % (raw, caffe_pb2.Type.Name(raw_type)))
+    payload = getattr(blob_proto, raw)
+    if len(payload) != count * dtype.itemsize:
+        raise ProtoError("blob %s holds %d bytes but shape %s needs %d %s values (%d bytes)"
+                         % (raw, len(payload), shape, count, caffe_pb2.Type.Name(raw_type),
+                            count * dtype.itemsize))
+    return np.frombuffer(payload, dtype).astype(np.float32)     # a writable copy
+
+
 def blob_proto_to_array(blob_proto, diff=False):
     """BlobProto -> float32 numpy array shaped as ``blob_proto_shape``.
 
-    As in Caffe, ``double_data`` (``double_diff``) is used when present,
-    otherwise ``data`` (``diff``).  A count mismatch raises ProtoError.
+    The values come, in NVCaffe's order of preference, from ``double_data``,
+    ``data`` or NVCaffe's ``raw_data`` (FLOAT16, FLOAT or DOUBLE bytes, as its
+    snapshots store them), or the ``diff`` counterparts; float16 and double
+    become float32, the one type the nets compute in.  A count mismatch or an
+    unsupported raw type raises ProtoError.
     """
     shape = blob_proto_shape(blob_proto)
     count = int(np.prod(shape, dtype=np.int64)) if shape else 1
-    if diff:
-        if len(blob_proto.double_diff) > 0:
-            flat = _repeated_numeric(blob_proto, "double_diff", np.float64)
-        else:
-            flat = _repeated_numeric(blob_proto, "diff", np.float32)
-        what = "diff"
+    what = "diff" if diff else "data"
+    if len(getattr(blob_proto, "double_" + what)) > 0:
+        flat = _repeated_numeric(blob_proto, "double_" + what, np.float64)
+    elif len(getattr(blob_proto, what)) == 0 and blob_proto.HasField("raw_" + what):
+        flat = _raw_values(blob_proto, what, shape, count)
     else:
-        if len(blob_proto.double_data) > 0:
-            flat = _repeated_numeric(blob_proto, "double_data", np.float64)
-        else:
-            flat = _repeated_numeric(blob_proto, "data", np.float32)
-        what = "data"
+        flat = _repeated_numeric(blob_proto, what, np.float32)
     if flat.size != count:
         raise ProtoError("blob %s has %d values but shape %s needs %d"
                          % (what, flat.size, shape, count))

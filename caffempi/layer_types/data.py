@@ -1,5 +1,6 @@
-"""Layers that read data sets: Data (LMDB of Caffe Datums), ImageData (an
-image list), HDF5Data and MemoryData (arrays fed from Python).
+"""Layers that read data sets: Data (LMDB or LevelDB of Caffe Datums), ImageData (an
+image list), HDF5Data and MemoryData (arrays fed from Python); HDF5Output,
+which writes its bottoms to an HDF5 file.
 
 Every layer reads its rank's share (``data_shard`` = (rank, size)): stream
 positions p with p mod size == rank, batch by batch, so R ranks × batch b see
@@ -14,13 +15,14 @@ import time
 
 import numpy as np
 
+from ..backend import to_numpy
 from ..common import CaffeError, rng, log
-from ..data import lmdb_io
+from ..data import db
 from ..data.datum import datum_to_array, parse_datum, pil_to_chw, raw_datum_batch
 from ..data.image_list import read_image_list
-from ..data.reader import BatchPrefetcher, lmdb_producer, shard_positions
+from ..data.reader import BatchPrefetcher, db_producer, shard_positions
 from ..data.transformer import DataTransformer
-from ..proto import caffe_pb2
+from ..io.atomic import atomic_path
 from .base import Layer, register
 
 
@@ -118,7 +120,15 @@ class _BatchDataLayer(Layer):
 
 @register("Data")
 class DataLayer(_BatchDataLayer):
-    """Caffe's Data layer over an LMDB of Datums (raw, float_data or encoded)."""
+    """Caffe's Data layer over an LMDB or a LevelDB of Datums (raw,
+    float_data or encoded).  Without ``backend`` the source's files tell,
+    else Caffe's default, LEVELDB.
+
+    NVCaffe's data_param: ``threads`` sets this layer's decode threads;
+    ``shuffle`` with ``cache`` reads every epoch after the first (which
+    NVCaffe reads in key order while caching) in a random order, seeking each
+    record by key (the keys are held in memory, not the records: the OS
+    caches those); ``shuffle`` without ``cache`` is ignored, as in NVCaffe."""
 
     def setup(self, bottom, top):
         p = self.param.data_param
@@ -128,21 +138,24 @@ class DataLayer(_BatchDataLayer):
         self.batch_size = int(p.batch_size)
         if self.batch_size <= 0:
             raise self.error("data_param.batch_size must be positive")
-        backend = p.backend
-        if not p.HasField("backend") and lmdb_io.looks_like_lmdb(p.source):
-            backend = caffe_pb2.DataParameter.LMDB     # Caffe's default is LEVELDB; the source is an LMDB
-        lmdb_io.check_backend(backend, "layer '%s' (%s): " % (self.name, p.source))
+        backend = p.backend if p.HasField("backend") else (db.detect_backend(p.source) or p.backend)
         self.prefetch = int(p.prefetch) or 1
+        self.workers = int(p.threads) or None
         self.transformer = DataTransformer(self.param.transform_param, self.phase,
                                            "layer '%s' (Data, %s): " % (self.name, p.source))
         try:
-            self._env, self._num = lmdb_io.open_read(p.source)
+            self._db = db.open_read(p.source, backend)
         except CaffeError as e:
             raise self.error("%s", e)
         self._init_state(int(p.rand_skip))
         try:
-            with self._env.begin(buffers=False) as txn:
-                cur = txn.cursor()
+            self._keys = None
+            if p.shuffle and p.cache:
+                self._keys = list(self._db.records(values=False))
+            elif p.shuffle:
+                log.warning("layer '%s': data_param shuffle is ignored without cache: true (as in NVCaffe)",
+                            self.name)
+            with self._db.cursor() as cur:
                 cur.first()
                 key, value = cur.key(), cur.value()
             arr, _ = self._decode(key, value)
@@ -150,6 +163,14 @@ class DataLayer(_BatchDataLayer):
         except BaseException:
             self.close()
             raise
+
+    def _shuffled(self, epoch):
+        """(keys, permutation) of ``epoch`` for the reader, None for key
+        order (epoch 0).  The permutation is seeded by the epoch alone: the
+        same on every rank, whose shards so stay disjoint, and in every run."""
+        if epoch == 0:
+            return None
+        return self._keys, np.random.RandomState([0x5EED, 0xDB, epoch]).permutation(len(self._keys))
 
     def _decode(self, key, value):
         where = "%s key '%s'" % (self.source, _key_str(key))
@@ -159,14 +180,16 @@ class DataLayer(_BatchDataLayer):
 
     def close(self):
         super().close()
-        env, self._env = getattr(self, "_env", None), None
-        if env is not None:
-            lmdb_io.release(env)
+        source, self._db = getattr(self, "_db", None), None
+        if source is not None:
+            db.release(source)
 
     def _make_prefetcher(self):
         rank, size = self.data_shard
-        produce = lmdb_producer(self._env, self.source, self._num, self.batch_size, rank, size, self._skip)
-        return BatchPrefetcher("%s(%s)" % (self.name, self.source), produce, self._process, self.prefetch)
+        produce = db_producer(self._db, self.batch_size, rank, size, self._skip,
+                              self._shuffled if self._keys is not None else None)
+        return BatchPrefetcher("%s(%s)" % (self.name, self.source), produce, self._process, self.prefetch,
+                               self.workers)
 
     def _process(self, k, recs):
         batch = raw_datum_batch([value for _, value in recs])
@@ -395,6 +418,55 @@ class HDF5DataLayer(Layer):
 
     def backward(self, top, propagate_down, bottom):
         """No bottoms."""
+
+
+@register("HDF5Output")
+class HDF5OutputLayer(Layer):
+    """Writes bottom 0 as dataset "data" and bottom 1 as "label" to the HDF5
+    file ``hdf5_output_param.file_name``, each 4-D in Caffe's legacy N x C x
+    H x W (missing axes 1, at most 4 axes), in the net's float type.  The
+    file is created empty at setup (Caffe truncates it there) and each
+    forward replaces it atomically with that batch: Caffe writes the first
+    batch and then fails, since its datasets exist already (BVLC/caffe#1726);
+    here the latest batch wins.  No tops; the bottoms' gradient is zero."""
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    exact_num_bottom = 2
+    exact_num_top = 0
+
+    def setup(self, bottom, top):
+        self.file_name = self.param.hdf5_output_param.file_name
+        if not self.file_name:
+            raise self.error("hdf5_output_param.file_name is not set")
+        self._write({})
+
+    def reshape(self, bottom, top):
+        for i, b in enumerate(bottom):
+            if not 1 <= b.num_axes <= 4:
+                raise self.error("bottom %d has shape %s; HDF5 output takes 1 to 4 axes "
+                                 "(Caffe's N x C x H x W)", i, b.shape)
+        if bottom[0].shape[0] != bottom[1].shape[0]:
+            raise self.error("data (bottom 0, shape %s) and label (bottom 1, shape %s) must have "
+                             "the same number of items", bottom[0].shape, bottom[1].shape)
+
+    def forward(self, bottom, top):
+        self._write({name: np.asarray(to_numpy(b.data), self.dtype).reshape(
+            b.shape + (1,) * (4 - b.num_axes)) for name, b in zip(("data", "label"), bottom)})
+
+    def _write(self, datasets):
+        import h5py
+        try:
+            with atomic_path(self.file_name) as tmp:
+                with h5py.File(tmp, "w") as f:
+                    for name, arr in datasets.items():
+                        f.create_dataset(name, data=arr)
+        except OSError as e:
+            raise self.error("cannot write HDF5 file %s: %s", self.file_name, e.strerror or e) from None
+
+    def backward(self, top, propagate_down, bottom):
+        for b, prop in zip(bottom, propagate_down):
+            if prop:
+                b.diff = self.xp.zeros(b.shape, self.dtype)
 
 
 @register("MemoryData")

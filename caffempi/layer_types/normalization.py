@@ -1,6 +1,7 @@
 """Normalization layers: BatchNorm (per-channel statistics over the batch)
 and MVN (per-sample mean/variance normalization)."""
 from ..common import TEST
+from ..proto import caffe_pb2
 from .base import Layer, register
 
 
@@ -12,16 +13,23 @@ def _normalize_backward(dy, y, axes):
 
 @register("BatchNorm")
 class BatchNormLayer(Layer):
-    statistics_params = True
+    statistics_params = 3
     backward_reads_bottom_data = False
     backward_reads_top_data = False
     backward_state = ("_y",)
     recompute_cheap = True
-    """Caffe's BatchNorm (no scale/shift: pair it with a Scale layer).
+    """Caffe's BatchNorm: y = (x - mean) / sqrt(var + eps) per channel.
 
     blobs: [running mean sum (C,), running variance sum (C,), scale factor (1,)];
     the mean and variance estimates are blobs[0]/blobs[2] and blobs[1]/blobs[2].
     Caffe forces their lr_mult to 0; the net takes care of that.
+
+    NVCaffe's ``scale_bias`` (implied by ``scale_filler`` or ``bias_filler``)
+    appends a learnable per-channel scale (C,) and bias (C,) as blobs[3] and
+    blobs[4], NVCaffe's order, and outputs y * scale + bias: a Scale layer
+    with bias_term inside, so NVCaffe models load with their five blobs.  The
+    statistics stay BVLC's (NVCaffe's snapshots store the estimates with
+    factor 1, which reads the same).
     """
 
     exact_num_bottom = 1
@@ -34,12 +42,18 @@ class BatchNormLayer(Layer):
             else self.phase == TEST
         self.eps = float(p.eps)
         self.channels = 1 if bottom[0].num_axes == 1 else bottom[0].shape[1]
+        self.scale_bias = p.scale_bias or p.HasField("scale_filler") or p.HasField("bias_filler")
         if not self.blobs:
             self.blobs = []
             for shape in ((self.channels,), (self.channels,), (1,)):
                 blob = self.new_blob(shape)
                 blob.data = self.xp.zeros(shape, self.dtype)
                 self.blobs.append(blob)
+            if self.scale_bias:
+                scale_filler = p.scale_filler if p.HasField("scale_filler") else \
+                    caffe_pb2.FillerParameter(type="constant", value=1)
+                self.blobs.append(self.fill(scale_filler, (self.channels,)))
+                self.blobs.append(self.fill(p.bias_filler, (self.channels,)))   # default: constant 0
 
     def reshape(self, bottom, top):
         shape = bottom[0].shape
@@ -76,12 +90,24 @@ class BatchNormLayer(Layer):
         # Backward needs y; keep a private copy since an in-place successor may
         # overwrite top's data (as Caffe keeps x_norm_).
         self._y = y
-        top[0].data = y.reshape(bottom[0].shape).copy()
+        if self.scale_bias:
+            out = y * self._per_channel(3) + self._per_channel(4)
+        else:
+            out = y.copy()
+        top[0].data = out.reshape(bottom[0].shape)
+
+    def _per_channel(self, i):
+        """blobs[i] (C,) shaped to broadcast over the (N, C, spatial) view."""
+        return self.blobs[i].data.reshape(1, self.channels, 1)
 
     def backward(self, top, propagate_down, bottom):
+        dy = self._view(top[0].diff)
+        if self.scale_bias:
+            self.blobs[3].diff += (dy * self._y).sum(axis=(0, 2))
+            self.blobs[4].diff += dy.sum(axis=(0, 2))
+            dy = dy * self._per_channel(3)
         if not propagate_down[0]:
             return
-        dy = self._view(top[0].diff)
         if self.use_global_stats:
             dx = dy / self._std
         else:

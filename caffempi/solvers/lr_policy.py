@@ -9,6 +9,12 @@
     poly:      base_lr * (1 - iter / max_iter) ^ power
     sigmoid:   base_lr * 1 / (1 + exp(-gamma * (iter - stepsize)))
 
+NVCaffe's SolverParameter fields, as its SGDSolver::GetLearningRate: during
+the first ``rampup_interval`` iterations the rate is rampup_lr + (base_lr -
+rampup_lr) * (iter / rampup_interval)^2 whatever the policy; ``min_lr`` is a
+floor under every policy, and poly decays to it: (base_lr - min_lr) *
+(1 - iter / max_iter) ^ power + min_lr.
+
 The result is rounded to float32 (Caffe's ``Dtype rate``).
 """
 import math
@@ -41,6 +47,9 @@ def check_policy(param):
         raise CaffeError("lr_policy 'step' needs stepsize > 0, got %d" % param.stepsize)
     if policy == "poly" and param.max_iter <= 0:
         raise CaffeError("lr_policy 'poly' needs max_iter > 0")
+    if param.min_lr < 0 or (policy == "poly" and param.base_lr < param.min_lr):
+        raise CaffeError("min_lr must be >= 0 (and <= base_lr for lr_policy 'poly'), got %g"
+                         % param.min_lr)
 
 
 def learning_rate(param, it, current_step, info=None):
@@ -52,7 +61,12 @@ def learning_rate(param, it, current_step, info=None):
     base = float(np.float32(param.base_lr))
     gamma = float(np.float32(param.gamma))
     power = float(np.float32(param.power))
-    if policy == "fixed":
+    min_lr = float(np.float32(param.min_lr))
+    if it < param.rampup_interval:
+        rampup = float(np.float32(param.rampup_lr))
+        alpha = it / param.rampup_interval
+        rate = rampup + (base - rampup) * alpha * alpha
+    elif policy == "fixed":
         rate = base
     elif policy == "step":
         current_step = it // param.stepsize
@@ -68,10 +82,10 @@ def learning_rate(param, it, current_step, info=None):
         rate = base * _pow(gamma, current_step)
     elif policy == "poly":
         frac = float(np.float32(np.float32(it) / np.float32(param.max_iter)))
-        rate = base * _pow(1.0 - frac, power)
+        rate = (base - min_lr) * _pow(1.0 - frac, power) + min_lr
     elif policy == "sigmoid":
         x = -gamma * (float(it) - float(param.stepsize))
         rate = base * (1.0 / (1.0 + (math.exp(x) if x < 700 else math.inf)))
     else:  # pragma: no cover - check_policy ran first
         raise CaffeError("unknown lr_policy '%s'" % policy)
-    return float(np.float32(rate)), current_step
+    return float(np.float32(max(rate, min_lr))), current_step

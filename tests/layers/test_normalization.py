@@ -180,3 +180,75 @@ def test_float32_stays_float32(text, phase):
     top[0].diff = np.ones(top[0].shape, np.float32)
     layer.backward(top, [True], bottom)
     assert bottom[0].diff.dtype == np.float32
+
+
+# ------------------------------------------------- NVCaffe's scale_bias
+SCALE_BIAS = 'type: "BatchNorm" batch_norm_param { scale_bias: true eps: 0.001 }'
+
+
+def test_batch_norm_scale_bias_blobs_and_fillers():
+    layer, _, _ = run_layer(SCALE_BIAS, [rand(2, 3, 2, 2)])
+    assert layer.scale_bias and [b.shape for b in layer.blobs] == [(3,), (3,), (1,), (3,), (3,)]
+    np.testing.assert_array_equal(layer.blobs[3].data, np.ones(3))      # NVCaffe's defaults
+    np.testing.assert_array_equal(layer.blobs[4].data, np.zeros(3))
+    # either filler implies scale_bias, as in NVCaffe
+    layer, _, _ = run_layer('type: "BatchNorm" batch_norm_param { scale_filler { type: "constant" value: 2 } '
+                            'bias_filler { type: "constant" value: 0.5 } }', [rand(2, 3)])
+    np.testing.assert_array_equal(layer.blobs[3].data, [2, 2, 2])
+    np.testing.assert_array_equal(layer.blobs[4].data, [0.5, 0.5, 0.5])
+    layer, _, _ = run_layer('type: "BatchNorm" batch_norm_param { bias_filler { type: "constant" value: 1 } }',
+                            [rand(2, 3)])
+    assert len(layer.blobs) == 5 and layer.blobs[3].data[0] == 1
+
+
+@pytest.mark.parametrize("phase", [TRAIN, TEST])
+def test_batch_norm_scale_bias_forward(phase):
+    x = rand(3, 2, 2, 3) * 2 + 1
+    layer = make_layer(SCALE_BIAS, phase=phase)
+    _, bottom, top = run_layer(layer, [x], phase=phase)
+    stats = [np.array([0.5, -1.0]), np.array([2.0, 3.0]), np.array([1.7])]
+    scale, bias = np.array([1.5, -0.5]), np.array([0.25, 2.0])
+    set_blobs(layer, stats + [scale, bias])
+    layer.forward(bottom, top)
+    eps = float(np.float32(0.001))
+    if phase == TRAIN:
+        xhat, _ = ref_batch_norm_train(x, stats, 0.999, eps)
+    else:
+        xhat = np.empty_like(x)
+        for ch in range(2):
+            xhat[:, ch] = (x[:, ch] - stats[0][ch] / 1.7) / np.sqrt(stats[1][ch] / 1.7 + eps)
+    want = np.empty_like(x)
+    for ch in range(2):
+        want[:, ch] = xhat[:, ch] * scale[ch] + bias[ch]
+    np.testing.assert_allclose(top[0].data, want, rtol=1e-10, atol=1e-12)
+
+
+def test_batch_norm_scale_bias_gradient():
+    layer = make_layer(SCALE_BIAS)
+    layer.blobs = [layer.new_blob(s) for s in ((3,), (3,), (1,), (3,), (3,))]
+    set_blobs(layer, [np.zeros(3), np.zeros(3), np.zeros(1), np.array([1.5, -0.5, 0.8]), np.array([0.1, 0.2, -0.3])])
+    check_gradient(layer, [rand(3, 3, 2, 2)])          # bottom, scale and bias (statistics: no gradient)
+
+
+def test_batch_norm_scale_bias_global_gradient():
+    layer = make_layer(SCALE_BIAS, phase=TEST)
+    layer.blobs = [layer.new_blob(s) for s in ((2,), (2,), (1,), (2,), (2,))]
+    set_blobs(layer, [np.array([1.0, -2.0]), np.array([4.0, 2.0]), np.array([2.0]), np.array([1.5, -0.5]),
+                      np.array([0.1, 0.2])])
+    check_gradient(layer, [rand(2, 2, 3)], check_params=False, phase=TEST)
+
+
+def test_batch_norm_scale_bias_params_learn_statistics_do_not():
+    from google.protobuf import text_format
+    from caffempi import CaffeError, Net
+    from caffempi.proto import caffe_pb2
+    text = '''layer { name: "x" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }
+              layer { name: "bn" type: "BatchNorm" bottom: "x" top: "y" batch_norm_param { scale_bias: true } %s }'''
+    net = Net(text_format.Parse(text % "", caffe_pb2.NetParameter()), TRAIN)
+    assert net.param_lr_mults == [0, 0, 0, 1, 1] and net.param_decay_mults == [0, 0, 0, 1, 1]
+    net = Net(text_format.Parse(text % "param { lr_mult: 0 } param { lr_mult: 0 } param { lr_mult: 0 } "
+                                "param { lr_mult: 2 decay_mult: 0 } param { lr_mult: 3 }", caffe_pb2.NetParameter()),
+              TRAIN)
+    assert net.param_lr_mults == [0, 0, 0, 2, 3] and net.param_decay_mults[3:] == [0, 1]
+    with pytest.raises(CaffeError, match="layer 'bn': cannot configure BatchNorm statistics"):
+        Net(text_format.Parse(text % "param { lr_mult: 1 }", caffe_pb2.NetParameter()), TRAIN)
