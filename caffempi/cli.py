@@ -1,9 +1,14 @@
 """``caffempi <command> [flags]``: the caffe binary's commands and flags
 (tools/caffe.cpp): train, test, time, device_query.
 
-Flags are gflags style: ``--flag=value``, ``--flag value``, ``-flag value``
-and ``-flag=value``; boolean flags also as ``--flag`` / ``--noflag``.  A
-flag is one :func:`define_flag` line; a command is one ``COMMANDS`` entry.
+Flags are gflags style (caffempi.flags): ``--flag=value``, ``--flag value``,
+``-flag value`` and ``-flag=value``; boolean flags also as ``--flag`` /
+``--noflag``; ``--flagfile``, ``--help``, ``--version`` and glog's flags
+(``--log_dir``, ``--minloglevel`` ...).  A flag is one ``FLAGS.define``
+line; a command is one ``COMMANDS`` entry.
+
+``train --ranks=N`` (or a ``--gpu`` list) without a launcher runs the same
+command line on N ranks under mpiexec (parallel.launch.run_under_mpiexec).
 
 Errors a user can cause (CaffeError, ProtoError, OSError, KeyboardInterrupt)
 print ``caffempi: error: <message>`` on one line and exit 1 (under MPI: that
@@ -16,133 +21,52 @@ import signal
 import sys
 from collections import OrderedDict
 
-from .common import AgreedError, CaffeError, TEST, init_logging, log
+from .common import AgreedError, CaffeError, TEST, configure_logging, log
+from .flags import FlagSet
 from .io.proto_io import ProtoError
 from .memory import tune_allocator
 
 PROG = "caffempi"
 
-
-# ------------------------------------------------------------------- flags
-class Flag:
-    def __init__(self, name, default, help, kind):
-        self.name, self.default, self.help, self.kind = name, default, help, kind
-
-
-FLAGS = OrderedDict()
-
-
-def define_flag(name, default, help, kind=None):
-    """Register ``--name`` (kind: str, int, float or bool; default's type)."""
-    FLAGS[name] = Flag(name, default, help, kind or type(default))
-
-
-define_flag("solver", "", "The solver definition protocol buffer text file.")
-define_flag("model", "", "The model definition protocol buffer text file.")
-define_flag("phase", "", "Optional; network phase (TRAIN or TEST). Only used for 'time'.")
-define_flag("level", 0, "Optional; network level.")
-define_flag("stage", "", "Optional; network stages (not to be confused with phase), separated by ','.")
-define_flag("snapshot", "", "Optional; the snapshot solver state to resume training.")
-define_flag("weights", "", "Optional; the pretrained weights to initialize finetuning, separated by ','. "
-            "Cannot be set simultaneously with snapshot.")
-define_flag("gpu", "", "Optional; run in GPU mode on given device IDs separated by ','. "
-            "Use '-gpu all' to run on all available GPUs.")
-define_flag("iterations", 50, "The number of iterations to run.")
-define_flag("sigint_effect", "stop", "Optional; action to take when a SIGINT signal is received: "
-            "snapshot, stop or none.")
-define_flag("sighup_effect", "snapshot", "Optional; action to take when a SIGHUP signal is received: "
-            "snapshot, stop or none.")
-define_flag("sigterm_effect", "snapshot", "Optional; action to take when a SIGTERM signal is received "
-            "(what schedulers send before killing a job): snapshot (write one snapshot after the current "
-            "iteration, then stop), stop or none.")
-define_flag("data_shape", "", "Optional; for 'time': C,H,W of images from a data layer whose source "
-            "cannot be read and whose prototxt does not say the size.")
-define_flag("debug", False, "Show Python tracebacks instead of one-line errors.")
-define_flag("memory", "reuse", "Optional; activation memory plan: none, reuse or recompute (offload needs a GPU).")
-# MPI data parallelism: --comm, --bucket_mb, --sync, --tau, --alpha
+FLAGS = FlagSet(PROG, "command line brew", usage="%s <command> <args>" % PROG)
+FLAGS.argument("command", "train: train or finetune a model; test: score a model; device_query: show GPU "
+               "diagnostic information; time: benchmark model execution time; help: this text", default=None)
+FLAGS.define("solver", "", "The solver definition protocol buffer text file.")
+FLAGS.define("model", "", "The model definition protocol buffer text file.")
+FLAGS.define("phase", "", "Optional; network phase (TRAIN or TEST). Only used for 'time'.")
+FLAGS.define("level", 0, "Optional; network level.")
+FLAGS.define("stage", "", "Optional; network stages (not to be confused with phase), separated by ','.")
+FLAGS.define("snapshot", "", "Optional; the snapshot solver state to resume training.")
+FLAGS.define("weights", "", "Optional; the pretrained weights to initialize finetuning, separated by ','. "
+             "Cannot be set simultaneously with snapshot. For 'train' they replace the solver's weights.")
+FLAGS.define("gpu", "", "Optional; run in GPU mode on given device IDs separated by ','. "
+             "Use '-gpu all' to run on all available GPUs. For 'train' without a launcher, a list runs "
+             "one rank per device under mpiexec.")
+FLAGS.define("iterations", 50, "The number of iterations to run.")
+FLAGS.define("sigint_effect", "stop", "Optional; action to take when a SIGINT signal is received: "
+             "snapshot, stop or none.")
+FLAGS.define("sighup_effect", "snapshot", "Optional; action to take when a SIGHUP signal is received: "
+             "snapshot, stop or none.")
+FLAGS.define("sigterm_effect", "snapshot", "Optional; action to take when a SIGTERM signal is received "
+             "(what schedulers send before killing a job): snapshot (write one snapshot after the current "
+             "iteration, then stop), stop or none.")
+FLAGS.define("data_shape", "", "Optional; for 'time': C,H,W of images from a data layer whose source "
+             "cannot be read and whose prototxt does not say the size.")
+FLAGS.define("debug", False, "Show Python tracebacks instead of one-line errors.")
+FLAGS.define("memory", "reuse", "Optional; activation memory plan: none, reuse or recompute (offload needs a GPU).")
+# MPI data parallelism: --ranks, --comm, --bucket_mb, --sync, --tau, --alpha ...
 from .parallel.launch import add_parallel_flags  # noqa: E402
-add_parallel_flags(define_flag)
-
-
-class Flags:
-    """Parsed flag values as attributes (``flags.solver``)."""
-
-    def __init__(self, values):
-        self.__dict__.update(values)
-
-    def __repr__(self):
-        return "Flags(%r)" % self.__dict__
-
-
-def _convert(flag, text):
-    if flag.kind is bool:
-        low = text.lower()
-        if low in ("1", "true", "yes", "t", "y"):
-            return True
-        if low in ("0", "false", "no", "f", "n"):
-            return False
-        raise CaffeError("invalid value for --%s: '%s' (true or false)" % (flag.name, text))
-    try:
-        return flag.kind(text)
-    except ValueError:
-        raise CaffeError("invalid value for --%s: '%s' (%s expected)"
-                         % (flag.name, text, flag.kind.__name__)) from None
+add_parallel_flags(FLAGS.define)
 
 
 def parse_args(argv):
-    """(command or None, Flags, wants_help) from the argument list."""
-    values = {name: f.default for name, f in FLAGS.items()}
-    positional = []
-    wants_help = False
-    i = 0
-    while i < len(argv):
-        arg = argv[i]
-        i += 1
-        if arg == "--":
-            positional.extend(argv[i:])
-            break
-        if not arg.startswith("-") or arg == "-":
-            positional.append(arg)
-            continue
-        body = arg.lstrip("-")
-        name, eq, value = body.partition("=")
-        if name in ("help", "h", "helpfull"):
-            wants_help = True
-            continue
-        flag = FLAGS.get(name)
-        if flag is None and name.startswith("no") and name[2:] in FLAGS \
-                and FLAGS[name[2:]].kind is bool and not eq:
-            values[name[2:]] = False
-            continue
-        if flag is None:
-            raise CaffeError("unknown flag %s (see '%s --help')" % ("-" * (len(arg) - len(body)) + name, PROG))
-        if not eq:
-            if flag.kind is bool:
-                values[name] = True
-                continue
-            if i >= len(argv):
-                raise CaffeError("flag --%s needs a value" % name)
-            value = argv[i]
-            i += 1
-        values[name] = _convert(flag, value)
-    if len(positional) > 1:
-        raise CaffeError("expected one command, got: %s" % " ".join(positional))
-    command = positional[0] if positional else None
+    """(command or None, Flags) from the argument list; the command
+    ``help`` sets flags.help."""
+    flags, arguments = FLAGS.parse(argv)
+    command = arguments[0] if arguments else None
     if command == "help":
-        command, wants_help = None, True
-    return command, Flags(values), wants_help
-
-
-def usage():
-    lines = ["usage: %s <command> <args>" % PROG, "", "commands:",
-             "  train           train or finetune a model",
-             "  test            score a model",
-             "  device_query    show GPU diagnostic information",
-             "  time            benchmark model execution time", "", "flags:"]
-    for f in FLAGS.values():
-        default = ("" if f.kind is bool else " (default: %r)" % (f.default,))
-        lines.append("  --%-16s %s%s" % (f.name, f.help, default))
-    return "\n".join(lines)
+        command, flags.help = None, True
+    return command, flags
 
 
 # ----------------------------------------------------------------- helpers
@@ -234,8 +158,12 @@ def train(flags):
     param = read_solver(flags.solver)
     param.train_state.level = flags.level
     param.train_state.stage.extend(get_stages(flags))
-    del param.weights[:]
-    if flags.weights and not flags.snapshot:
+    # tools/caffe.cpp: the solver's own weights: field is loaded unless
+    # --snapshot resumes (the state's net replaces them) or --weights
+    # replaces them (caffe.proto: "it has higher priority and overwrites")
+    if flags.snapshot or flags.weights:
+        del param.weights[:]
+    if flags.weights:
         param.weights.append(flags.weights)
     # Under mpirun: MPI, per-rank logging, abort on any rank's error, the
     # gradient strategy.  Without a launcher: one process, no MPI import.
@@ -243,7 +171,7 @@ def train(flags):
     world, sync = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
                                  debug=flags.debug, comm_timeout=flags.comm_timeout, sfb=flags.sfb,
                                  link_gbps=flags.link_gbps, gemm_gflops=flags.gemm_gflops,
-                                 comm_dtype=flags.comm_dtype)
+                                 comm_dtype=flags.comm_dtype, ranks=flags.ranks)
     xp = select_backend(flags, param, world)
     tune_allocator()        # a start-up step of the command, not of building a Net
     handler = SignalHandler(effects)
@@ -320,23 +248,31 @@ COMMANDS = OrderedDict([
 
 
 def main(argv=None):
-    if argv is None:
+    as_command = argv is None
+    if as_command:
         _reexec_for_heap_hugepages()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv = list(sys.argv[1:] if as_command else argv)
     debug = any(a.lstrip("-").split("=")[0] == "debug" and a.startswith("-")
                 and a.partition("=")[2].lower() not in ("0", "false", "no")
                 for a in argv)
     try:
-        command, flags, wants_help = parse_args(argv)
+        command, flags = parse_args(argv)
         debug = flags.debug
-        if wants_help:
-            print(usage())
+        answer = FLAGS.answer(flags)
+        if answer is not None:
+            print(answer)
             return 0
         if command is None:
             raise CaffeError("no command given (train, test, time or device_query; see '%s --help')" % PROG)
         if command not in COMMANDS:
             raise CaffeError("unknown command '%s' (%s)" % (command, ", ".join(COMMANDS)))
-        init_logging()
+        ranks = _ranks_to_launch(command, flags)
+        if ranks:
+            # the ranks log; this process only waits for them
+            from .parallel.launch import run_under_mpiexec
+            return run_under_mpiexec(ranks, _command_line(argv, as_command) + FLAGS.without(argv, "ranks"))
+        from .parallel.comm import launcher_rank
+        configure_logging(PROG, flags, launcher_rank())
         return COMMANDS[command](flags) or 0
     except (CaffeError, ProtoError, OSError) as e:
         if debug:
@@ -355,6 +291,28 @@ def main(argv=None):
             raise
         print("%s%s: error: interrupted" % (_rank_prefix(), PROG), file=sys.stderr)
         return _exit_code(1)
+
+
+def _ranks_to_launch(command, flags):
+    """The ranks ``train`` starts under mpiexec (0: none, run here).  test
+    and time run on one process (on a --gpu list's first id, as Caffe's)."""
+    from .parallel.launch import ranks_to_launch
+    if command == "train":
+        return ranks_to_launch(flags.ranks, flags.gpu)
+    if flags.ranks > 1:
+        raise CaffeError("--ranks=%d: '%s' runs on one process (--ranks is for train)" % (flags.ranks, command))
+    return 0
+
+
+def _command_line(argv, as_command):
+    """How this program was started, without its arguments, for mpiexec to
+    start the ranks the same way: the interpreter, its options and the
+    script or ``-m caffempi`` as a command; ``python -m caffempi`` when main
+    was called from Python."""
+    if not as_command:
+        return [sys.executable, "-m", "caffempi"]
+    start = sys.orig_argv[:len(sys.orig_argv) - len(argv)]
+    return [sys.executable] + start[1:]
 
 
 def _reexec_for_heap_hugepages():

@@ -1,8 +1,10 @@
 """Process-wide state shared by layers, nets and solvers: phases, the random
 generator (Caffe's Caffe::rng) and glog-style logging."""
 import contextlib
+import getpass
 import logging
 import os
+import socket
 import sys
 import threading
 import time
@@ -82,38 +84,158 @@ def set_rng_state(state):
 
 
 # -------------------------------------------------------------------- logging
+# glog's severities 0..3, as --minloglevel and --stderrthreshold number them
+SEVERITY_LEVELS = (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
+SEVERITY_LETTERS = {logging.CRITICAL: "F", logging.ERROR: "E", logging.WARNING: "W"}
+
+
 class GlogFormatter(logging.Formatter):
     """Formats records as glog does, so Caffe's log parsers read our logs:
-    ``I1122 04:16:00.123456  1234 solver.py:123] message``."""
+    ``I1122 04:16:00.123456  1234 solver.py:123] message``.  Verbose
+    (debug) records are written ``I``, as glog writes its VLOG lines."""
 
     prefix = ""
 
     def format(self, record):
         t = time.localtime(record.created)
         usec = int((record.created - int(record.created)) * 1e6)
-        level = record.levelname[0] if record.levelname != "CRITICAL" else "F"
         head = "%s%02d%02d %02d:%02d:%02d.%06d %5d %s:%d] " % (
-            level, t.tm_mon, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec, usec,
-            threading.get_native_id(),
-            os.path.basename(record.pathname), record.lineno)
+            SEVERITY_LETTERS.get(record.levelno, "I"), t.tm_mon, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec,
+            usec, threading.get_native_id(), os.path.basename(record.pathname), record.lineno)
         return head + self.prefix + record.getMessage()
 
 
+class _StderrHandler(logging.StreamHandler):
+    """Writes to whatever sys.stderr is at the time of each record (as
+    logging's last-resort handler), so a handler made while a test captured
+    stderr does not keep writing into the closed capture."""
+
+    def __init__(self):
+        logging.Handler.__init__(self)
+
+    @property
+    def stream(self):
+        return sys.stderr
+
+
 log = logging.getLogger("caffempi")
-_handler = None
 
 
-def init_logging(level=logging.INFO, prefix="", stream=None):
-    """Send caffempi's log to stderr (as glog does) in glog's format."""
-    global _handler
-    if _handler is not None:
-        log.removeHandler(_handler)
-    _handler = logging.StreamHandler(stream or sys.stderr)
+class _LogSettings:
+    """What glog's flags chose for this process (configure_logging)."""
+    level = logging.INFO            # --minloglevel and --v: the least severe record logged
+    stderr_level = logging.INFO     # the least severe record also written to stderr
+    file_handler = None             # --log_dir's file
+    stderr_handler = None
+
+
+_settings = _LogSettings()
+
+
+def add_logging_flags(define):
+    """glog's flags, defined through a flag set's ``define``."""
+    define("log_dir", "", "If specified, the log is also written to a file in this directory, named as "
+           "glog names it: <program>.<host>.<user>.log.INFO.<yyyymmdd-hhmmss>.<pid>, with the link "
+           "<program>.INFO to it; under MPI, rank r > 0 writes <program>.rank<r>.<host>... and "
+           "<program>.rank<r>.INFO. No file without it.")
+    define("logtostderr", False, "Log to stderr only, no file, even with --log_dir.")
+    define("alsologtostderr", True, "Log to stderr as well as to the --log_dir file (on by default, as "
+           "Caffe's programs set it); false: stderr gets the messages at or above --stderrthreshold only.")
+    define("stderrthreshold", 2, "With --alsologtostderr=false: messages at or above this level are copied "
+           "to stderr (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL).")
+    define("minloglevel", 0, "Log messages at or above this level (0 INFO, 1 WARNING, 2 ERROR, 3 FATAL).")
+    define("v", 0, "Show verbose messages (glog's VLOG) too when above 0: caffempi has one verbose level, "
+           "its debug messages (the net's per-layer set-up lines), written with glog's I.")
+
+
+def _severity_level(name, value):
+    if not 0 <= value < len(SEVERITY_LEVELS):
+        raise CaffeError("--%s=%d: expected 0 (INFO), 1 (WARNING), 2 (ERROR) or 3 (FATAL)" % (name, value))
+    return SEVERITY_LEVELS[value]
+
+
+def _glog_file_name(program, rank=None, when=None):
+    """glog's log file name, ``<program>.<host>.<user>.log.INFO.<yyyymmdd-hhmmss>.<pid>``;
+    rank r > 0 of an MPI job inserts ``.rank<r>`` after the program, since
+    every rank of a host would otherwise replace the one ``<program>.INFO``
+    link.  Returns (file name, link name)."""
+    base = program if not rank else "%s.rank%d" % (program, rank)
+    try:
+        user = getpass.getuser()
+    except (KeyError, OSError):
+        user = "invalid-user"
+    stamp = time.strftime("%Y%m%d-%H%M%S", time.localtime(when))
+    return "%s.%s.%s.log.INFO.%s.%d" % (base, socket.gethostname(), user, stamp, os.getpid()), base + ".INFO"
+
+
+def _open_log_file(log_dir, program, rank):
+    """The --log_dir file's handler, its glog header written, the
+    ``<program>.INFO`` link pointing at it (replaced as glog does)."""
+    if not os.path.isdir(log_dir):
+        raise CaffeError("--log_dir=%s: no such directory" % log_dir)
+    now = time.time()
+    name, link = _glog_file_name(program, rank, now)
+    path = os.path.join(log_dir, name)
+    try:
+        handler = logging.FileHandler(path, encoding="utf-8")
+    except OSError as e:
+        raise CaffeError("--log_dir=%s: cannot create the log file %s: %s" % (log_dir, name, e.strerror or e)) \
+            from None
+    handler.stream.write("Log file created at: %s\nRunning on machine: %s\nRunning duration (h:mm:ss): 0:00:00\n"
+                         "Log line format: [IWEF]mmdd hh:mm:ss.uuuuuu threadid file:line] msg\n"
+                         % (time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)), socket.gethostname()))
+    link_path = os.path.join(log_dir, link)
+    try:
+        if os.path.lexists(link_path):
+            os.unlink(link_path)
+        os.symlink(name, link_path)
+    except OSError:
+        pass            # as glog: the log goes on without its link
+    return handler
+
+
+def configure_logging(program, flags, rank=None):
+    """Apply glog's flags (:func:`add_logging_flags`) to this process's
+    logging, replacing an earlier call's file; ``rank``: this process's MPI
+    rank, None outside a job.  caffempi logs to stderr by default, as
+    Caffe's programs do (they set FLAGS_alsologtostderr), and writes a file
+    only where --log_dir says (glog would write one to /tmp unasked)."""
+    level = _severity_level("minloglevel", flags.minloglevel)
+    threshold = _severity_level("stderrthreshold", flags.stderrthreshold)
+    if flags.v < 0:
+        raise CaffeError("--v=%d: expected 0 or more" % flags.v)
+    if flags.v > 0 and level == logging.INFO:
+        level = logging.DEBUG
+    if _settings.file_handler is not None:
+        log.removeHandler(_settings.file_handler)
+        _settings.file_handler.close()
+        _settings.file_handler = None
+    _settings.level = level
+    _settings.stderr_level = level if flags.logtostderr or flags.alsologtostderr else max(level, threshold)
+    if flags.log_dir and not flags.logtostderr:
+        handler = _open_log_file(flags.log_dir, program, rank)
+        handler.setFormatter(GlogFormatter())
+        handler.setLevel(level)
+        log.addHandler(handler)
+        _settings.file_handler = handler
+    init_logging()
+
+
+def init_logging(level=logging.NOTSET, prefix="", stream=None):
+    """Send caffempi's log to stderr (or ``stream``) in glog's format, at the
+    level glog's flags chose (:func:`configure_logging`) and at least
+    ``level`` (ranks other than 0 show warnings and errors only), each line
+    after the header starting with ``prefix``."""
+    if _settings.stderr_handler is not None:
+        log.removeHandler(_settings.stderr_handler)
+    handler = _StderrHandler() if stream is None else logging.StreamHandler(stream)
+    handler.setLevel(max(level, _settings.stderr_level))
     fmt = GlogFormatter()
     fmt.prefix = prefix
-    _handler.setFormatter(fmt)
-    log.addHandler(_handler)
-    log.setLevel(level)
+    handler.setFormatter(fmt)
+    log.addHandler(handler)
+    _settings.stderr_handler = handler
+    log.setLevel(min(handler.level, _settings.level) if _settings.file_handler is not None else handler.level)
     log.propagate = False
 
 

@@ -135,9 +135,10 @@ def test_solverstate_with_missing_learned_net(workdir):
 def test_flag_forms():
     for argv in (["train", "--solver=s", "--iterations=3"], ["train", "--solver", "s", "-iterations", "3"],
                  ["-solver=s", "train", "-iterations=3"]):
-        cmd, flags, _ = parse_args(argv)
+        cmd, flags = parse_args(argv)
         assert cmd == "train" and flags.solver == "s" and flags.iterations == 3
     assert parse_args(["test", "--debug"])[1].debug is True
+    assert parse_args(["help"])[1].help is True
     with pytest.raises(CaffeError, match="needs a value"):
         parse_args(["train", "--solver"])
     with pytest.raises(CaffeError, match="invalid value for --iterations"):
@@ -189,7 +190,8 @@ def test_gpu_flag_parsing_and_errors_without_a_gpu(monkeypatch):
         backend.check_device_id("device_query", 4, 2)
     monkeypatch.setattr(backend, "_cupy", False)
     for argv, what in ((["device_query", "--gpu=0"], "device_query"),
-                       (["test", "--model=m.prototxt", "--weights=w.caffemodel", "--gpu=all"], "--gpu=all")):
+                       (["test", "--model=m.prototxt", "--weights=w.caffemodel", "--gpu=all"], "--gpu=all"),
+                       (["train", "--solver=s.prototxt", "--gpu=all"], "--gpu=all")):     # ranks_to_launch
         with pytest.raises(CaffeError, match="%s: no usable GPU" % what):
             main(argv + ["--debug"])
 
@@ -213,3 +215,108 @@ def test_time_reads_only_the_timed_phases_data_layers(tmp_path):
     assert "random input" not in res.stderr
     assert_one_line_error(caffempi(tmp_path, "time", "--model=net.prototxt", "--iterations=2", "--phase=TEST"),
                           "layer 'd': cannot read 'missing_test_lmdb'.*--data_shape")
+
+
+# ------------------------------------------------- the solver's weights field
+def caffemodel_blobs(path):
+    p = caffe_pb2.NetParameter()
+    p.ParseFromString(Path(path).read_bytes())
+    return [list(b.data) for layer in p.layer for b in layer.blobs]
+
+
+def test_solver_weights_field_as_caffe_train(workdir):
+    """tools/caffe.cpp: the solver's weights: files are loaded in order;
+    --weights replaces them; --snapshot ignores them.  With base_lr 0 and no
+    momentum the final weights are the loaded ones."""
+    assert caffempi(workdir, "train", "--solver=solver.prototxt").returncode == 0
+    two, four = (caffemodel_blobs(workdir / ("snap_iter_%d.caffemodel" % i)) for i in (2, 4))
+    assert two != four
+    frozen = (SOLVER.replace("base_lr: 0.1", "base_lr: 0").replace("momentum: 0.9", "momentum: 0")
+              .replace("max_iter: 4", "max_iter: 3").replace('"snap"', '"ft"'))
+    cases = [('weights: "snap_iter_2.caffemodel"', [], ["snap_iter_2.caffemodel"], two),
+             ('weights: "snap_iter_2.caffemodel" weights: "snap_iter_4.caffemodel"', [],
+              ["snap_iter_2.caffemodel", "snap_iter_4.caffemodel"], four),
+             ('weights: "snap_iter_4.caffemodel,snap_iter_2.caffemodel"', [],
+              ["snap_iter_4.caffemodel", "snap_iter_2.caffemodel"], two),
+             ('weights: "snap_iter_2.caffemodel"', ["--weights=snap_iter_4.caffemodel"],
+              ["snap_iter_4.caffemodel"], four),
+             ('weights: "snap_iter_4.caffemodel"', ["--snapshot=snap_iter_2.solverstate"], [], two)]
+    for field, args, loaded, want in cases:
+        (workdir / "ft.prototxt").write_text(frozen + field + "\n")
+        res = caffempi(workdir, "train", "--solver=ft.prototxt", *args)
+        assert res.returncode == 0, res.stderr
+        assert re.findall(r"\] Finetuning from (\S+)\n", res.stderr) == loaded, (field, args)
+        assert caffemodel_blobs(workdir / "ft_iter_3.caffemodel") == want, (field, args)
+    (workdir / "ft.prototxt").write_text(frozen + 'weights: "missing.caffemodel"\n')
+    assert_one_line_error(caffempi(workdir, "train", "--solver=ft.prototxt"),
+                          "weights file missing.caffemodel does not exist")
+
+
+# ------------------------------------------------------ flagfile, glog flags
+def test_flagfile_and_log_dir(workdir):
+    """Flags from a flagfile; the log written to --log_dir under glog's
+    names, with stderr holding only ERROR and up (--alsologtostderr=false),
+    and parse_log reading the file."""
+    from caffempi.tools.parse_log import parse_log
+    (workdir / "logs").mkdir()
+    (workdir / "train.flags").write_text("# how we train\n--solver=solver.prototxt\n--log_dir=logs\n"
+                                         "--noalsologtostderr\n")
+    res = caffempi(workdir, "train", "--flagfile=train.flags")
+    assert res.returncode == 0, res.stderr
+    assert res.stderr == ""
+    link = workdir / "logs" / "caffempi.INFO"
+    assert re.fullmatch(r"caffempi\.[^.]+.*\.log\.INFO\.\d{8}-\d{6}\.\d+", os.readlink(link))
+    text = link.read_text()
+    assert "Optimization Done." in text and "Snapshotting to binary proto file snap_iter_4.caffemodel" in text
+    train, test = parse_log(str(link))
+    assert [r["NumIters"] for r in train] == [0, 1, 2, 3] and [r["NumIters"] for r in test] == [0, 2, 4]
+    res = caffempi(workdir, "test", "--model=net.prototxt", "--weights=snap_iter_4.caffemodel", "--iterations=1",
+                   "--minloglevel=1")
+    assert res.returncode == 0 and res.stderr == "", res.stderr
+
+
+# ------------------------------------------------------ --ranks, --gpu lists
+def test_ranks_to_launch_without_and_under_a_launcher(monkeypatch):
+    from caffempi.config import using_config
+    from caffempi.parallel.launch import ranks_to_launch
+    for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMIX_SIZE",
+                "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MPI_LOCALNRANKS"):
+        monkeypatch.delenv(var, raising=False)
+    with using_config(mpi=None):
+        assert [ranks_to_launch(r, g) for r, g in ((0, ""), (1, ""), (3, ""), (0, "0,1,2"), (0, "2"),
+                                                   (2, "0,1,2,3"), (1, "0,1"))] == [0, 0, 3, 3, 0, 2, 0]
+        with pytest.raises(CaffeError, match="--ranks=-1"):
+            ranks_to_launch(-1, "")
+        monkeypatch.setenv("PMI_SIZE", "2")
+        monkeypatch.setenv("PMI_RANK", "0")
+        assert ranks_to_launch(2, "") == 0 and ranks_to_launch(0, "0,1") == 0     # started already
+    monkeypatch.delenv("PMI_SIZE")
+    with using_config(mpi=False):
+        with pytest.raises(CaffeError, match="CAFFEMPI_MPI=0"):
+            ranks_to_launch(0, "0,1")
+
+
+def test_ranks_relaunch_command_and_errors(monkeypatch, capsys):
+    """--ranks and a --gpu list take the same path: the command line less
+    --ranks, run under mpiexec; without an mpiexec, one clear line."""
+    from caffempi.cli import main
+    from caffempi.config import using_config
+    from caffempi.parallel import launch
+    monkeypatch.delenv("PMI_SIZE", raising=False)
+    monkeypatch.delenv("OMPI_COMM_WORLD_SIZE", raising=False)
+    calls = []
+    real_run = launch.run_under_mpiexec
+    monkeypatch.setattr(launch, "run_under_mpiexec", lambda n, cmd: calls.append((n, cmd)) or 7)
+    with using_config(mpi=None):
+        assert main(["train", "-ranks", "3", "--solver=s.prototxt", "--sigterm_effect=stop"]) == 7
+        assert main(["train", "--gpu=4,5", "--solver=s.prototxt"]) == 7
+        assert calls == [(3, [sys.executable, "-m", "caffempi", "train", "--solver=s.prototxt",
+                              "--sigterm_effect=stop"]),
+                         (2, [sys.executable, "-m", "caffempi", "train", "--gpu=4,5", "--solver=s.prototxt"])]
+        monkeypatch.setattr(launch, "run_under_mpiexec", real_run)
+        monkeypatch.setattr(launch, "mpiexec_path", lambda: None)
+        assert main(["train", "--ranks=2", "--solver=s.prototxt"]) == 1
+        assert main(["time", "--ranks=2", "--model=m.prototxt"]) == 1
+    err = capsys.readouterr().err.splitlines()
+    assert err[0].startswith("caffempi: error: 2 ranks need mpiexec: none beside ")
+    assert err[1] == "caffempi: error: --ranks=2: 'time' runs on one process (--ranks is for train)"

@@ -1,6 +1,7 @@
 """Log tools (parse_log, plot_training_log), the tools/ wrappers and the
 offline demo data."""
 import csv
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -85,6 +86,93 @@ def test_every_tool_script_answers_help():
     for script in sorted((REPO / "tools").glob("*.py")):
         r = subprocess.run([sys.executable, str(script), "--help"], capture_output=True, text=True, timeout=60)
         assert r.returncode == 0 and "usage" in r.stdout.lower(), (script.name, r.stdout, r.stderr)
+
+
+def tool(script, *args):
+    return subprocess.run([sys.executable, str(REPO / "tools" / script)] + [str(a) for a in args],
+                          capture_output=True, text=True, timeout=60)
+
+
+def write_images(root):
+    """Four small PNGs of different sizes and their list file (name label)."""
+    from PIL import Image
+    r = np.random.RandomState(0)
+    root.mkdir()
+    lines = []
+    for i, (w, h) in enumerate([(6, 5), (7, 4), (5, 5), (9, 3)]):
+        Image.fromarray(r.randint(0, 256, (h, w, 3)).astype(np.uint8)).save(root / ("img%d.png" % i))
+        lines.append("img%d.png %d" % (i, i % 3))
+    (root.parent / "list.txt").write_text("\n".join(lines) + "\n")
+    return root.parent / "list.txt"
+
+
+def datums(db):
+    return [(k.decode(), parse_datum(v)) for k, v in lmdb_io.read_all(str(db))]
+
+
+def test_bvlc_image_tool_command_lines(tmp_path):
+    """convert_imageset and compute_image_mean as BVLC's scripts call them
+    (create_imagenet.sh, create_cifar10.sh, make_imagenet_mean.sh)."""
+    from caffempi.tools import compute_image_mean, convert_imageset
+    lst = write_images(tmp_path / "root")
+    db = tmp_path / "train_lmdb"
+    r = tool("convert_imageset.py", "-backend=lmdb", "--shuffle=true", "-resize_height=8", "-resize_width=6",
+             str(tmp_path / "root") + "/", lst, db)
+    assert r.returncode == 0, r.stderr
+    assert re.search(r"^I\d{4} .* convert_imageset\.py:\d+\] A total of 4 images\.$", r.stderr, re.M), r.stderr
+    records = datums(db)
+    names = sorted(k.split("_", 1)[1] for k, _ in records)
+    assert names == ["img0.png", "img1.png", "img2.png", "img3.png"]
+    assert [k.split("_", 1)[1] for k, _ in records] != names          # shuffled
+    for key, d in records:
+        assert (d.channels, d.height, d.width) == (3, 8, 6) and d.label == int(key[-5]) % 3
+    # create_imagenet.sh's form: booleans bare, values after '=', arguments last
+    again = tmp_path / "again_lmdb"
+    assert convert_imageset.main(["--shuffle", "--resize_height=8", "--resize_width=6",
+                                  str(tmp_path / "root") + "/", str(lst), str(again)]) == 0
+    assert [(k, d.SerializeToString()) for k, d in datums(again)] == \
+        [(k, d.SerializeToString()) for k, d in records]
+    # create_cifar10.sh: compute_image_mean -backend=$DBTYPE DB mean.binaryproto (+ glog's --log_dir)
+    mean_file = tmp_path / "mean.binaryproto"
+    (tmp_path / "logs").mkdir()
+    assert compute_image_mean.main(["-backend=lmdb", str(db), str(mean_file), "--log_dir", str(tmp_path / "logs")]) == 0
+    from caffempi.io import proto_io
+    from caffempi.proto import caffe_pb2
+    blob = proto_io.read_binary_proto(str(mean_file), caffe_pb2.BlobProto)
+    want = np.mean([datum_to_array(d).astype(np.float32) for _, d in records], axis=0)
+    np.testing.assert_allclose(np.asarray(blob.data).reshape(3, 8, 6), want, rtol=1e-6)
+    logged = (tmp_path / "logs" / "compute_image_mean.INFO").read_text()
+    assert "] mean_value channel [2]: " in logged
+    # make_imagenet_mean.sh: compute_image_mean DB OUT, no flags
+    assert compute_image_mean.main([str(db), str(tmp_path / "mean2.binaryproto")]) == 0
+    assert (tmp_path / "mean2.binaryproto").read_bytes() == mean_file.read_bytes()
+    r = tool("convert_imageset.py", str(tmp_path / "root") + "/", lst)
+    assert r.returncode == 1 and r.stderr.strip() == ("convert_imageset: error: missing argument DB_NAME (usage: "
+                                                      "convert_imageset [FLAGS] ROOTFOLDER/ LISTFILE DB_NAME)")
+
+
+def test_bvlc_mnist_and_cifar_command_lines(tmp_path, monkeypatch):
+    """create_mnist.sh: convert_mnist_data IMAGES LABELS DB --backend=lmdb
+    (the flag after the arguments); create_cifar10.sh: convert_cifar_data
+    $DATA $EXAMPLE $DBTYPE (its conversion needs 60000 records, so the
+    command line is checked up to the call)."""
+    import struct
+    from caffempi.tools import convert_cifar_data, convert_mnist_data
+    images = np.arange(3 * 4 * 5).reshape(3, 4, 5).astype(np.uint8)
+    (tmp_path / "imgs").write_bytes(struct.pack(">iiii", 2051, 3, 4, 5) + images.tobytes())
+    (tmp_path / "lbls").write_bytes(struct.pack(">ii", 2049, 3) + bytes([7, 8, 9]))
+    db = tmp_path / "mnist_train_lmdb"
+    assert convert_mnist_data.main([str(tmp_path / "imgs"), str(tmp_path / "lbls"), str(db), "--backend=lmdb"]) == 0
+    records = datums(db)
+    assert [k for k, _ in records] == ["00000000", "00000001", "00000002"]
+    assert [d.label for _, d in records] == [7, 8, 9]
+    np.testing.assert_array_equal(datum_to_array(records[2][1])[0], images[2])
+    calls = []
+    monkeypatch.setattr(convert_cifar_data, "convert_dataset", lambda *a: calls.append(a))
+    assert convert_cifar_data.main(["data/cifar10", "examples/cifar10", "lmdb"]) == 0
+    assert convert_cifar_data.main(["data/cifar10", "examples/cifar10"]) == 0
+    assert convert_cifar_data.main(["data/cifar10"]) == 1
+    assert calls == [("data/cifar10", "examples/cifar10", "lmdb")] * 2
 
 
 def test_make_demo_data(tmp_path):

@@ -45,15 +45,23 @@ def launched_by_mpi(environ=None):
     return any(v in env for v in _SIZE_VARS + _RANK_VARS)
 
 
-def _launcher_size(environ=None):
-    env = os.environ if environ is None else environ
-    for v in _SIZE_VARS:
-        if v in env:
-            try:
-                return int(env[v])
-            except ValueError:
-                pass
+def _first_int(env, names):
+    """The value of the first of ``names`` set to an integer in ``env``."""
+    for v in names:
+        try:
+            return int(env[v])
+        except (KeyError, ValueError):
+            pass
     return None
+
+
+def launcher_rank(environ=None):
+    """This process's rank as its launcher's environment gives it (no MPI
+    import), or None outside a job of several ranks."""
+    env = os.environ if environ is None else environ
+    if (_first_int(env, _SIZE_VARS) or 1) < 2:
+        return None
+    return _first_int(env, _RANK_VARS)
 
 
 class World(ABC):
@@ -323,7 +331,7 @@ def get_world(comm=None):
         mpi4py.rc.thread_level = "multiple" if comm in ("thread", "auto") else "funneled"
         from mpi4py import MPI
     except Exception as e:  # ImportError, or a broken MPI shared library
-        n = _launcher_size()
+        n = _first_int(os.environ, _SIZE_VARS)
         if n is None or n > 1:
             raise CaffeError("started by an MPI launcher (%s ranks) but mpi4py cannot be loaded: %s; "
                              "install mpi4py (pip install mpi4py mpich) or run without mpirun"
@@ -331,7 +339,7 @@ def get_world(comm=None):
         _world = SingleWorld()
         return _world
     world = MPIWorld(MPI)
-    n = _launcher_size()
+    n = _first_int(os.environ, _SIZE_VARS)
     if n is not None and n != world.size:
         # an mpiexec of one MPI with mpi4py on another: each process would
         # init alone and train (and snapshot) as its own single rank

@@ -1,15 +1,22 @@
 """Start-up of a rank: the process settings its MPI needs, per-rank logging,
 abort on any rank's error (a normal exit on an error all ranks agreed on),
-its share of the host's cores, and its gradient strategy."""
+its share of the host's cores, and its gradient strategy; and the start of
+a whole job from one command without a launcher (``--ranks``, ``--gpu``
+lists: :func:`ranks_to_launch`, :func:`run_under_mpiexec`)."""
+import importlib.util
 import logging
 import os
+import shutil
+import signal
+import subprocess
 import sys
 import threading
 import traceback
 
+from .. import config
 from ..common import AgreedError, CaffeError, init_logging, log
 from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
-from .comm import get_world
+from .comm import get_world, launched_by_mpi
 from .easgd import ElasticAveraging
 from .sfb import SFB_MODES, SufficientFactorBroadcast
 from .sync import BucketedAllreduce
@@ -17,16 +24,15 @@ from .transports import COMM_DTYPES, check_comm_mode
 from .watchdog import DEFAULT_TIMEOUT
 
 
-def init_rank_logging(world=None, level=logging.INFO, stream=None):
-    """Rank 0 logs at ``level``; the other ranks log warnings and errors only,
-    prefixed with ``[rank r] ``."""
+def init_rank_logging(world=None, stream=None):
+    """Rank 0 logs to stderr at the level glog's flags chose; the other
+    ranks write warnings and errors only there, prefixed with ``[rank r] ``
+    (their --log_dir files get all of their own lines)."""
     world = world or get_world()
-    if world.size == 1:
-        init_logging(level, stream=stream)
-    elif world.rank == 0:
-        init_logging(level, prefix="", stream=stream)
+    if world.size == 1 or world.rank == 0:
+        init_logging(stream=stream)
     else:
-        init_logging(max(level, logging.WARNING), prefix="[rank %d] " % world.rank, stream=stream)
+        init_logging(logging.WARNING, prefix="[rank %d] " % world.rank, stream=stream)
 
 
 def _report(world, exc_type, exc, tb, debug=False):
@@ -135,7 +141,10 @@ def share_cores(world=None):
 
 # ------------------------------------------------------------ CLI entry seam
 def add_parallel_flags(define_flag):
-    """The data-parallel flags, defined through the CLI's define_flag."""
+    """The data-parallel flags, defined through a flag set's ``define``."""
+    define_flag("ranks", 0, "Optional; for 'train' without a launcher: run on this many ranks of this host, "
+                "under the mpiexec beside this Python (else the one on PATH), with the same flags; 0: one rank "
+                "per --gpu id (one without --gpu). Under mpiexec: must be the job's size.")
     define_flag("comm", "auto", "Optional; gradient averaging: auto (CPU nets: shm when every rank is "
                 "on one host, hierarchical when the ranks span hosts and some host has several, else "
                 "thread; GPU nets: nccl when NCCL can join the ranks, else overlap), "
@@ -195,19 +204,22 @@ def make_gradient_sync(world, sync="sgd", comm="auto", bucket_mb=None, tau=10, a
 
 
 def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
-                   level=logging.INFO, comm_timeout=DEFAULT_TIMEOUT, sfb="off", link_gbps=0.0, gemm_gflops=0.0,
-                   comm_dtype="fp32"):
+                   comm_timeout=DEFAULT_TIMEOUT, sfb="off", link_gbps=0.0, gemm_gflops=0.0,
+                   comm_dtype="fp32", ranks=0):
     """Everything a rank does before building its solver: the process
     settings for ``comm``, the world (MPI only under a launcher), per-rank
     logging, abort on errors, the collective watchdog (``comm_timeout``
-    seconds), its share of the cores, the gradient strategy.
+    seconds), its share of the cores, the gradient strategy.  ``ranks``
+    (--ranks), when not 0, must be the world's size.
     Returns (world, sync); pass ``sync=`` to the solver."""
     check_comm_mode(comm)
     init_process(comm)
     world = get_world(comm)
     world.set_comm_timeout(comm_timeout)
-    init_rank_logging(world, level)
+    init_rank_logging(world)
     install_abort_handlers(world, debug)
+    if ranks and ranks != world.size:
+        raise AgreedError("--ranks=%d, but this job has %d rank%s" % (ranks, world.size, "s"[world.size == 1:]))
     if world.size > 1 and world.rank == 0:
         log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
                  world.processor_name())
@@ -228,3 +240,95 @@ def exit_code(rc, world=None):
     if rc and world.size > 1:
         world.abort(int(rc))
     return rc
+
+
+# ----------------------------------------------- one command, many ranks
+def ranks_to_launch(ranks, gpu):
+    """How many ranks a ``caffempi train`` started without a launcher runs
+    under mpiexec: ``ranks`` (--ranks), or when it is 0 one per --gpu id
+    (--gpu=all: every device of this host; each rank then takes its id,
+    cli.select_backend).  0: run in this process (one rank, or started by a
+    launcher already)."""
+    if ranks < 0:
+        raise CaffeError("--ranks=%d: expected a number of ranks (0: one per --gpu id)" % ranks)
+    if launched_by_mpi():
+        return 0
+    if not ranks and gpu:
+        from ..backend import parse_gpu_ids, usable_cupy
+        count = usable_cupy("--gpu=all").cuda.runtime.getDeviceCount() if gpu == "all" else 0
+        ranks = len(parse_gpu_ids(gpu, count))
+    if ranks < 2:
+        return 0
+    if config.settings.mpi is False:
+        raise CaffeError("%d ranks were asked for (--ranks or a --gpu list), but CAFFEMPI_MPI=0 forbids MPI; "
+                         "give --ranks=1 to train in one process" % ranks)
+    return ranks
+
+
+def mpiexec_path():
+    """The mpiexec beside this Python (the mpich wheel's, in a virtual
+    environment), else the one on PATH, else None."""
+    beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
+    return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
+
+
+def run_under_mpiexec(ranks, command):
+    """Run ``mpiexec -n ranks command...`` and return its exit status (128 +
+    the signal's number when a signal ended it).  SIGINT and SIGTERM sent to
+    this process go to mpiexec, which passes them to every rank; SIGHUP goes
+    to the ranks themselves (MPICH's mpiexec dies of SIGHUP instead of passing
+    it on), so the --sig*_effect flags work as under mpiexec.  mpiexec runs in
+    its own process group, so a Ctrl-C at the terminal reaches the ranks once,
+    through this process; its stdin is empty."""
+    launcher = mpiexec_path()
+    if launcher is None:
+        raise CaffeError("%d ranks need mpiexec: none beside %s or on PATH (pip install mpich)"
+                         % (ranks, sys.executable))
+    if importlib.util.find_spec("mpi4py") is None:
+        raise CaffeError("%d ranks need mpi4py (pip install mpi4py)" % ranks)
+    proc = subprocess.Popen([launcher, "-n", str(ranks)] + list(command), stdin=subprocess.DEVNULL,
+                            process_group=0)
+
+    def forward(signum, frame):
+        pids = _processes_of_this_python(proc.pid) if signum == getattr(signal, "SIGHUP", None) else []
+        for pid in pids or [proc.pid]:
+            try:
+                os.kill(pid, signum)
+            except ProcessLookupError:
+                pass
+
+    forwarded = [s for s in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, s)]
+    old = {sig: signal.signal(sig, forward) for sig in (getattr(signal, s) for s in forwarded)}
+    try:
+        rc = proc.wait()
+    finally:
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
+    return 128 - rc if rc < 0 else rc
+
+
+def _processes_of_this_python(ancestor):
+    """The pids of the processes below ``ancestor`` that run this Python
+    (the ranks mpiexec started; not their own children), from /proc; [] where
+    there is no /proc."""
+    children = {}
+    try:
+        entries = [e for e in os.listdir("/proc") if e.isdigit()]
+    except OSError:
+        return []
+    for entry in entries:
+        try:
+            with open("/proc/%s/stat" % entry) as f:
+                ppid = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(ppid, []).append(int(entry))
+    exe = os.path.realpath(sys.executable)
+    found, todo = [], list(children.get(ancestor, []))
+    while todo:
+        pid = todo.pop()
+        if os.path.realpath("/proc/%d/exe" % pid) == exe:
+            found.append(pid)
+        else:
+            todo.extend(children.get(pid, []))
+    return found

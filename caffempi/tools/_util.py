@@ -1,11 +1,13 @@
 """Small helpers shared by the tools."""
 import sys
 
-from ..common import CaffeError
+from ..common import CaffeError, configure_logging, log
 
 
 def info(msg, *args):
-    print(msg % args if args else msg, file=sys.stderr, flush=True)
+    """An INFO line of the tool's log, in glog's format as Caffe's tools
+    write theirs (its file and line are the caller's)."""
+    log.info(msg, *args, stacklevel=2)
 
 
 def progress(iterable, total=None, desc=None):
@@ -17,11 +19,22 @@ def progress(iterable, total=None, desc=None):
     return tqdm(iterable, total=total, desc=desc, disable=None, unit="rec")
 
 
-def run_main(fn, argv=None):
-    """Run a tool's body; a CaffeError becomes one line on stderr and exit status 1."""
+def run_tool(flag_set, body, argv=None):
+    """A tool's main: parse ``argv`` (default: the command line) with
+    ``flag_set`` (caffempi.flags), answer --help and --version, apply glog's
+    flags, then ``body(flags, *arguments)``.  Bad input (CaffeError,
+    ProtoError) is one line on stderr, ``<tool>: error: <message>``, and
+    exit status 1.  Returns the exit status."""
     from ..io.proto_io import ProtoError
     try:
-        return fn(argv) or 0
+        flags, arguments = flag_set.parse(sys.argv[1:] if argv is None else argv)
+        answer = flag_set.answer(flags)
+        if answer is not None:
+            print(answer)
+            return 0
+        configure_logging(flag_set.program, flags)
+        return body(flags, *arguments) or 0
     except (CaffeError, ProtoError) as e:
-        print("error: %s" % e, file=sys.stderr)
+        print("%s: error: %s" % (flag_set.program, " ".join(str(e).split())), file=sys.stderr)
         return 1
+

@@ -1,4 +1,4 @@
-"""convert_imageset: images named in a list file -> LMDB of Datums, as BVLC's
+"""convert_imageset: images named in a list file -> LMDB or LevelDB of Datums, as BVLC's
 tools/convert_imageset.cpp (keys ``%08d_<filename>``; raw Datums hold C×H×W
 bytes in BGR order with encoded=false; ``--encoded`` stores the image file as
 is when no resize/colour change is needed and its extension matches, else
@@ -7,7 +7,6 @@ resized pixels may differ slightly from OpenCV's.
 
     python tools/convert_imageset.py [FLAGS] ROOTFOLDER/ LISTFILE DB_NAME
 """
-import argparse
 import os
 
 import numpy as np
@@ -15,8 +14,9 @@ import numpy as np
 from ..common import CaffeError
 from ..data.datum import array_to_datum, encode_image, encoded_datum, pil_to_chw
 from ..data.image_list import read_image_list
-from ..data.lmdb_io import LMDBWriter, check_backend
-from ._util import info, progress, run_main
+from ..data.db import backend_name, open_writer
+from ..flags import FlagSet
+from ._util import info, progress, run_tool
 
 
 def read_image(path, height=0, width=0, is_color=True):
@@ -52,7 +52,7 @@ def image_to_datum(path, label, height=0, width=0, is_color=True, encoding=""):
 def convert(root, list_file, db_name, gray=False, shuffle=False, backend="lmdb",
             resize_width=0, resize_height=0, check_size=False, encoded=False,
             encode_type="", seed=0):
-    check_backend(backend)
+    backend_name(backend)
     lines = [(path, label) for path, label, _ in read_image_list(list_file)]
     if shuffle:
         info("Shuffling data")
@@ -64,7 +64,7 @@ def convert(root, list_file, db_name, gray=False, shuffle=False, backend="lmdb",
         encoded = True
     count = 0
     data_size = None
-    with LMDBWriter(db_name) as w:
+    with open_writer(db_name, backend) as w:
         for line_id, (fn, label) in enumerate(progress(lines, len(lines), os.path.basename(db_name))):
             enc = encode_type
             if encoded and not enc:
@@ -89,29 +89,29 @@ def convert(root, list_file, db_name, gray=False, shuffle=False, backend="lmdb",
     return count
 
 
-def _main(argv):
-    ap = argparse.ArgumentParser(
-        prog="convert_imageset",
-        description="Convert a set of images to the leveldb/lmdb format used as input for Caffe.")
-    ap.add_argument("root_folder")
-    ap.add_argument("list_file")
-    ap.add_argument("db_name")
-    ap.add_argument("--gray", action="store_true", help="load the images in grayscale")
-    ap.add_argument("--shuffle", action="store_true", help="randomly shuffle the order of images")
-    ap.add_argument("--backend", default="lmdb")
-    ap.add_argument("--resize_width", type=int, default=0)
-    ap.add_argument("--resize_height", type=int, default=0)
-    ap.add_argument("--check_size", action="store_true", help="check that all the datum have the same size")
-    ap.add_argument("--encoded", action="store_true", help="store encoded images in the datum")
-    ap.add_argument("--encode_type", default="", help="png, jpg, ... (implies --encoded)")
-    ap.add_argument("--seed", type=int, default=0, help="seed for --shuffle")
-    a = ap.parse_args(argv)
-    convert(a.root_folder, a.list_file, a.db_name, a.gray, a.shuffle, a.backend, a.resize_width,
-            a.resize_height, a.check_size, a.encoded, a.encode_type, a.seed)
+FLAGS = FlagSet("convert_imageset", "Convert a set of images to the leveldb/lmdb format used as input for Caffe.")
+FLAGS.argument("ROOTFOLDER/", "the folder that the list's file names are relative to")
+FLAGS.argument("LISTFILE", "one image a line: its file name, a space, its label")
+FLAGS.argument("DB_NAME", "the database to create")
+FLAGS.define("gray", False, "When this option is on, treat images as grayscale ones")
+FLAGS.define("shuffle", False, "Randomly shuffle the order of images and their labels")
+FLAGS.define("backend", "lmdb", "The backend {lmdb, leveldb} for storing the result")
+FLAGS.define("resize_width", 0, "Width images are resized to")
+FLAGS.define("resize_height", 0, "Height images are resized to")
+FLAGS.define("check_size", False, "When this option is on, check that all the datum have the same size")
+FLAGS.define("encoded", False, "When this option is on, the encoded image will be saved in datum")
+FLAGS.define("encode_type", "", "Optional: What type should we encode the image as ('png','jpg',...); "
+             "implies --encoded")
+FLAGS.define("seed", 0, "The seed of --shuffle's order (caffempi's own flag)")
+
+
+def _main(flags, root_folder, list_file, db_name):
+    convert(root_folder, list_file, db_name, flags.gray, flags.shuffle, flags.backend, flags.resize_width,
+            flags.resize_height, flags.check_size, flags.encoded, flags.encode_type, flags.seed)
 
 
 def main(argv=None):
-    return run_main(_main, argv)
+    return run_tool(FLAGS, _main, argv)
 
 
 if __name__ == "__main__":

@@ -1,10 +1,9 @@
-"""convert_mnist_data: MNIST idx files -> LMDB of Datums, as BVLC's
+"""convert_mnist_data: MNIST idx files -> LMDB or LevelDB of Datums, as BVLC's
 examples/mnist/convert_mnist_data.cpp writes it (keys %08d, 1×rows×cols raw
 bytes, label).
 
     python tools/convert_mnist_data.py [--backend=lmdb] IMAGES LABELS OUTPUT_DB
 """
-import argparse
 import gzip
 import struct
 
@@ -12,8 +11,9 @@ import numpy as np
 
 from ..common import CaffeError
 from ..data.datum import array_to_datum
-from ..data.lmdb_io import LMDBWriter, check_backend
-from ._util import info, progress, run_main
+from ..data.db import backend_name, open_writer
+from ..flags import FlagSet
+from ._util import info, progress, run_tool
 
 
 def _open(path):
@@ -52,19 +52,20 @@ def read_idx_labels(path):
     return np.frombuffer(data, np.uint8, n)
 
 
-def write_mnist_lmdb(images, labels, db_path, desc=None):
-    """N×rows×cols uint8 images and N labels -> LMDB as convert_mnist_data."""
+def write_mnist_db(images, labels, db_path, desc=None, backend="lmdb"):
+    """N×rows×cols uint8 images and N labels -> a new database (lmdb or
+    leveldb) as convert_mnist_data writes it."""
     images = np.asarray(images, np.uint8)
     if len(images) != len(labels):
         raise CaffeError("%d images but %d labels" % (len(images), len(labels)))
-    with LMDBWriter(db_path) as w:
+    with open_writer(db_path, backend) as w:
         for i in progress(range(len(images)), len(images), desc or db_path):
             w.put("%08d" % i, array_to_datum(images[i][None], int(labels[i])).SerializeToString())
     return len(images)
 
 
 def convert_dataset(image_file, label_file, db_path, backend="lmdb"):
-    check_backend(backend)
+    backend_name(backend)
     images = read_idx_images(image_file)
     labels = read_idx_labels(label_file)
     if len(images) != len(labels):
@@ -72,24 +73,25 @@ def convert_dataset(image_file, label_file, db_path, backend="lmdb"):
                          % (image_file, len(images), label_file, len(labels)))
     info("A total of %d items.", len(images))
     info("Rows: %d Cols: %d", images.shape[1], images.shape[2])
-    n = write_mnist_lmdb(images, labels, db_path)
+    n = write_mnist_db(images, labels, db_path, backend=backend)
     info("Processed %d files.", n)
     return n
 
 
-def _main(argv):
-    ap = argparse.ArgumentParser(prog="convert_mnist_data",
-                                 description="Convert the MNIST dataset to the lmdb format used by Caffe.")
-    ap.add_argument("input_image_file")
-    ap.add_argument("input_label_file")
-    ap.add_argument("output_db_file")
-    ap.add_argument("--backend", default="lmdb", help="The backend for storing the result (lmdb)")
-    a = ap.parse_args(argv)
-    convert_dataset(a.input_image_file, a.input_label_file, a.output_db_file, a.backend)
+FLAGS = FlagSet("convert_mnist_data", "This script converts the MNIST dataset to the leveldb/lmdb format "
+                "used by Caffe to load data.")
+FLAGS.argument("input_image_file", "the idx image file (gzipped or not)")
+FLAGS.argument("input_label_file", "the idx label file (gzipped or not)")
+FLAGS.argument("output_db_file", "the database to create")
+FLAGS.define("backend", "lmdb", "The backend {lmdb, leveldb} for storing the result")
+
+
+def _main(flags, input_image_file, input_label_file, output_db_file):
+    convert_dataset(input_image_file, input_label_file, output_db_file, flags.backend)
 
 
 def main(argv=None):
-    return run_main(_main, argv)
+    return run_tool(FLAGS, _main, argv)
 
 
 if __name__ == "__main__":

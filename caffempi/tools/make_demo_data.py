@@ -8,15 +8,15 @@ with a fixed seed, in exactly convert_mnist_data's format (keys %08d, Datum
 
     python tools/make_demo_data.py [--out examples/mnist] [--seed 1701] [--force]
 """
-import argparse
 import os
 import shutil
 
 import numpy as np
 
 from ..common import CaffeError
-from .convert_mnist_data import write_mnist_lmdb
-from ._util import info, run_main
+from .convert_mnist_data import write_mnist_db
+from ..flags import FlagSet
+from ._util import info, run_tool
 
 N_TRAIN = 4000
 N_TEST = 1000
@@ -48,23 +48,24 @@ def make_demo_data(out_dir="examples/mnist", seed=1701, force=False):
             if not force:
                 raise CaffeError("%s exists (use --force to replace it)" % p)
             shutil.rmtree(p)
-    write_mnist_lmdb(images[:N_TRAIN], labels[:N_TRAIN], train)
-    write_mnist_lmdb(images[N_TRAIN:N_TRAIN + N_TEST], labels[N_TRAIN:N_TRAIN + N_TEST], test)
+    write_mnist_db(images[:N_TRAIN], labels[:N_TRAIN], train)
+    write_mnist_db(images[N_TRAIN:N_TRAIN + N_TEST], labels[N_TRAIN:N_TRAIN + N_TEST], test)
     info("Wrote %d training digits to %s and %d test digits to %s", N_TRAIN, train, N_TEST, test)
     return train, test
 
 
-def _main(argv):
-    ap = argparse.ArgumentParser(prog="make_demo_data", description=__doc__.split("\n\n")[0])
-    ap.add_argument("--out", default="examples/mnist")
-    ap.add_argument("--seed", type=int, default=1701)
-    ap.add_argument("--force", action="store_true")
-    a = ap.parse_args(argv)
-    make_demo_data(a.out, a.seed, a.force)
+FLAGS = FlagSet("make_demo_data", __doc__.split("\n\n")[0])
+FLAGS.define("out", "examples/mnist", "the folder of mnist_train_lmdb and mnist_test_lmdb")
+FLAGS.define("seed", 1701, "the seed of the digits' order")
+FLAGS.define("force", False, "replace databases that exist")
+
+
+def _main(flags):
+    make_demo_data(flags.out, flags.seed, flags.force)
 
 
 def main(argv=None):
-    return run_main(_main, argv)
+    return run_tool(FLAGS, _main, argv)
 
 
 if __name__ == "__main__":

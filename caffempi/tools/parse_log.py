@@ -5,7 +5,6 @@ column per net output (e.g. loss; accuracy, loss).
 
     python tools/parse_log.py [--verbose] [--delimiter ,] LOGFILE OUTPUT_DIR
 """
-import argparse
 import csv
 import datetime
 import os
@@ -13,7 +12,8 @@ import re
 from collections import OrderedDict
 
 from ..common import CaffeError
-from ._util import info, run_main
+from ..flags import FlagSet
+from ._util import info, run_tool
 
 RE_ITERATION = re.compile(r"Iteration (\d+)")
 RE_TRAIN_OUTPUT = re.compile(r"Train net output #(\d+): (\S+) = ([\.\deE+-]+)")
@@ -117,20 +117,21 @@ def read_csv(path):
         return [{k: float(v) for k, v in r.items()} for r in csv.DictReader(f)]
 
 
-def _main(argv):
-    ap = argparse.ArgumentParser(prog="parse_log", description=(
-        "Parse a Caffe training log into two CSV files containing training and testing information"))
-    ap.add_argument("logfile_path", help="Path to log file")
-    ap.add_argument("output_dir", help="Directory in which to place output CSV files")
-    ap.add_argument("--verbose", action="store_true", help="Print some extra info (e.g., output filenames)")
-    ap.add_argument("--delimiter", default=",", help="Column delimiter in output files (default: ',')")
-    a = ap.parse_args(argv)
-    train, test = parse_log(a.logfile_path)
-    save_csv_files(a.logfile_path, a.output_dir, train, test, a.delimiter, a.verbose)
+FLAGS = FlagSet("parse_log", "Parse a Caffe training log into two CSV files containing training and "
+                "testing information")
+FLAGS.argument("logfile_path", "Path to log file")
+FLAGS.argument("output_dir", "Directory in which to place output CSV files")
+FLAGS.define("verbose", False, "Print some extra info (e.g., output filenames)")
+FLAGS.define("delimiter", ",", "Column delimiter in output files")
+
+
+def _main(flags, logfile_path, output_dir):
+    train, test = parse_log(logfile_path)
+    save_csv_files(logfile_path, output_dir, train, test, flags.delimiter, flags.verbose)
 
 
 def main(argv=None):
-    return run_main(_main, argv)
+    return run_tool(FLAGS, _main, argv)
 
 
 if __name__ == "__main__":

@@ -11,12 +11,12 @@ with the chart types of BVLC's tools/extra/plot_training_log.py.example:
 Each input is a training log (parsed with parse_log) or a .train/.test CSV
 written by parse_log.
 """
-import argparse
 import os
 
 from ..common import CaffeError
 from . import parse_log as _pl
-from ._util import info, run_main
+from ..flags import FlagSet
+from ._util import info, run_tool
 
 CHARTS = {
     0: ("test", "accuracy", "NumIters"), 1: ("test", "accuracy", "Seconds"),
@@ -72,19 +72,20 @@ def plot_chart(chart_type, out_png, inputs):
     return out_png
 
 
-def _main(argv):
-    ap = argparse.ArgumentParser(prog="plot_training_log", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("chart_type", type=int, choices=sorted(CHARTS))
-    ap.add_argument("output_png")
-    ap.add_argument("inputs", nargs="+")
-    a = ap.parse_args(argv)
-    plot_chart(a.chart_type, a.output_png, a.inputs)
-    info("Wrote %s", a.output_png)
+FLAGS = FlagSet("plot_training_log", "Plot training curves as a PNG. Chart types: " + "; ".join(
+    "%d: %s %s vs. %s" % (k, phase.capitalize(), field, LABELS[x]) for k, (phase, field, x) in sorted(CHARTS.items())))
+FLAGS.argument("chart_type", "0..7", kind=int)
+FLAGS.argument("output_png", "the PNG to write")
+FLAGS.argument("LOG_OR_CSV", "training logs, or .train/.test CSV files written by parse_log", repeated=True)
+
+
+def _main(flags, chart_type, output_png, *inputs):
+    plot_chart(chart_type, output_png, list(inputs))
+    info("Wrote %s", output_png)
 
 
 def main(argv=None):
-    return run_main(_main, argv)
+    return run_tool(FLAGS, _main, argv)
 
 
 if __name__ == "__main__":

@@ -40,7 +40,6 @@ measured (sfb.measure_weight_grad_seconds) for the emulated-host report.
     # for 16 and 64 hosts on 10GbE and 100Gb InfiniBand
     sudo python tools/scaling_model.py --cluster_bench cluster.json --calibrate_links
 """
-import argparse
 import json
 import os
 import subprocess
@@ -50,6 +49,9 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from ..flags import FlagSet
+from ._util import run_tool
 
 # alpha (s), beta (s/byte): latency and inverse effective bandwidth per link
 PRESETS = {
@@ -209,7 +211,7 @@ def calibrate(n=2, cluster=None):
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-    worker = [sys.executable, "-m", "caffempi.tools.scaling_model", "--allreduce-worker", out]
+    worker = [sys.executable, "-m", "caffempi.tools.scaling_model", "--allreduce_worker=" + out]
     if cluster is not None:
         p = cluster.mpiexec(worker, env=env, timeout=600)
         if p.returncode:
@@ -395,28 +397,29 @@ def weight_grad_timer():
     return seconds
 
 
-def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--allreduce-worker", help=argparse.SUPPRESS)
-    ap.add_argument("--bench", help="JSON of benchmarks/scaling.py --json")
-    ap.add_argument("--calibrate", action="store_true", help="measure shared-memory alpha/beta on 2 ranks")
-    ap.add_argument("--alpha_us", type=float, help="shared-memory alpha (skip --calibrate)")
-    ap.add_argument("--beta_ns", type=float, help="shared-memory beta in ns per byte")
-    ap.add_argument("--validate", action="store_true",
-                    help="compare the 2-rank prediction (shared-memory alpha/beta) to the measurement")
-    ap.add_argument("--jitter_ms", type=float, help="per-rank independent step-time sigma (ms) for the "
-                    "straggler term; default: from the bench's 2-rank skew")
-    ap.add_argument("--buckets", default="0.25,1,4,25", help="bucket sizes (MB) for the overlap rows")
-    ap.add_argument("--plot", help="save a PNG of efficiency vs ranks")
-    ap.add_argument("--cluster_bench", help="JSON of benchmarks/cluster.py --json: predict its 2-host runs "
-                    "and print the predictions for 16 and 64 hosts")
-    ap.add_argument("--calibrate_links", action="store_true", help="with --cluster_bench: measure alpha/beta on "
-                    "an emulated link of each rate (root); else beta from the rate and --link_latency_us")
-    ap.add_argument("--link_latency_us", type=float, default=50.0)
-    ap.add_argument("--link", action="append", default=[], metavar="RATE:ALPHA_US:GBITS",
-                    help="with --cluster_bench: a link measured before (by --calibrate_links), e.g. 1gbit:25.3:0.95")
-    ap.add_argument("--gemm_gflops", type=float, default=0.0, help="the GEMM rate (0: measured here, 1 thread)")
-    a = ap.parse_args(argv)
+FLAGS = FlagSet("scaling_model", __doc__.strip())
+FLAGS.define("allreduce_worker", "", "Internal: run as one rank of --calibrate's measurement, writing JSON to "
+             "this file.")
+FLAGS.define("bench", "", "JSON of benchmarks/scaling.py --json")
+FLAGS.define("calibrate", False, "measure shared-memory alpha/beta on 2 ranks")
+FLAGS.define("alpha_us", None, "shared-memory alpha (skip --calibrate)", kind=float)
+FLAGS.define("beta_ns", None, "shared-memory beta in ns per byte", kind=float)
+FLAGS.define("validate", False, "compare the 2-rank prediction (shared-memory alpha/beta) to the measurement")
+FLAGS.define("jitter_ms", None, "per-rank independent step-time sigma (ms) for the straggler term; default: "
+             "from the bench's 2-rank skew", kind=float)
+FLAGS.define("buckets", "0.25,1,4,25", "bucket sizes (MB) for the overlap rows")
+FLAGS.define("plot", "", "save a PNG of efficiency vs ranks")
+FLAGS.define("cluster_bench", "", "JSON of benchmarks/cluster.py --json: predict its 2-host runs and print the "
+             "predictions for 16 and 64 hosts")
+FLAGS.define("calibrate_links", False, "with --cluster_bench: measure alpha/beta on an emulated link of each "
+             "rate (root); else beta from the rate and --link_latency_us")
+FLAGS.define("link_latency_us", 50.0, "the link latency assumed without --calibrate_links")
+FLAGS.define("link", [], "with --cluster_bench: links measured before (by --calibrate_links), "
+             "RATE:ALPHA_US:GBITS each, e.g. 1gbit:25.3:0.95")
+FLAGS.define("gemm_gflops", 0.0, "the GEMM rate (0: measured here, 1 thread)")
+
+
+def _main(a):
     if a.allreduce_worker:
         return _allreduce_worker(a.allreduce_worker)
     if a.cluster_bench:
@@ -496,6 +499,11 @@ def main(argv=None):
         plot(rows_by_net, a.plot)
         print("plot saved to %s" % a.plot)
     return 0
+
+
+
+def main(argv=None):
+    return run_tool(FLAGS, _main, argv)
 
 
 if __name__ == "__main__":

@@ -11,11 +11,10 @@ formats anyway; these tools are for files other programs read.)
     python tools/upgrade_net_proto_binary.py OLD.caffemodel NEW.caffemodel
     python tools/upgrade_solver_proto_text.py OLD_solver.prototxt NEW_solver.prototxt
 """
-import argparse
-
+from ..flags import FlagSet
 from ..io import proto_io
 from ..proto import caffe_pb2
-from ._util import info, run_main
+from ._util import info, run_tool
 
 # tool -> (message, binary file, upgrade function, what the log calls it)
 TOOLS = {
@@ -46,16 +45,15 @@ def upgrade_file(tool, src, dst):
 
 
 def _runner(tool):
-    def body(argv):
-        ap = argparse.ArgumentParser(prog=tool, description="Upgrade a %s proto file to the current "
-                                     "format" % TOOLS[tool][3])
-        ap.add_argument("input")
-        ap.add_argument("output")
-        a = ap.parse_args(argv)
-        upgrade_file(tool, a.input, a.output)
+    flags = FlagSet(tool, "Upgrade a %s proto file to the current format" % TOOLS[tool][3])
+    flags.argument("INPUT", "the old file")
+    flags.argument("OUTPUT", "the upgraded file to write")
+
+    def body(_flags, src, dst):
+        upgrade_file(tool, src, dst)
 
     def main(argv=None):
-        return run_main(body, argv)
+        return run_tool(flags, body, argv)
     main.__name__ = tool
     return main
 

@@ -177,3 +177,108 @@ def test_ranks_that_built_different_nets_stop_at_start_up(tmp_path):
     assert "'ip2' (InnerProduct, param 12x20, param 12)" in errors[0], errors[0]
     assert "Traceback" not in p.stderr
     assert "Iteration 0" not in p.stderr          # stopped before training
+
+
+# ---------------------------------------- one command, many ranks (--ranks)
+def caffempi(args, cwd, timeout=60):
+    """``python -m caffempi args`` without a launcher."""
+    import subprocess
+    from .mpirun import env
+    try:
+        return subprocess.run([sys.executable, "-m", "caffempi"] + [str(a) for a in args], cwd=str(cwd), env=env(),
+                              capture_output=True, text=True, timeout=timeout)
+    except subprocess.TimeoutExpired as e:
+        raise AssertionError("caffempi %s hung:\n%s" % (" ".join(map(str, args)), e.stderr))
+
+
+def log_lines(stderr, directory):
+    """The messages of a log with what differs between two runs of one job
+    masked: time stamps, thread ids, timings, the run's directory."""
+    import re
+    out = []
+    for line in stderr.replace(str(directory), "DIR").splitlines():
+        line = re.sub(r"^([IWEF])\d{4} \d\d:\d\d:\d\d\.\d{6} +\d+ ", r"\1 ", line)
+        line = re.sub(r"[\d.]+(e[+-]?\d+)?( ?ms|%| iter/s|s/| s\b)", r"T\2", line)
+        out.append(line)
+    return out
+
+
+@needs_mpi
+@needs_cli
+def test_ranks_flag_runs_what_mpiexec_runs(tmp_path):
+    """`caffempi train --ranks=2 --solver=S` re-executes itself under the
+    venv's mpiexec: the same final weights, to the bit, and the same log
+    lines as `mpiexec -n 2 python -m caffempi train --solver=S` (--sfb=auto's
+    link and GEMM rates given, not measured, so that its log lines agree)."""
+    from .test_solver_mpi import caffemodel_weights
+    runs = {}
+    for name in ("mpiexec", "ranks"):
+        d = tmp_path / name
+        d.mkdir()
+        args = ["train", "--solver=%s" % write_solver(d, 12, 2, prefix="job"), "--link_gbps=10", "--gemm_gflops=50"]
+        if name == "mpiexec":
+            p = mpirun(2, ["-m", "caffempi"] + args, cwd=d)
+        else:
+            p = caffempi(args + ["--ranks=2"], d)
+            assert p.returncode == 0, p.stderr
+        runs[name] = (caffemodel_weights(d / "job_iter_4.caffemodel"), log_lines(p.stderr, d))
+    np.testing.assert_array_equal(runs["ranks"][0], runs["mpiexec"][0])
+    assert runs["ranks"][1] == runs["mpiexec"][1]
+    assert any("MPI: 2 ranks" in line for line in runs["ranks"][1])
+    assert sum("Optimization Done" in line for line in runs["ranks"][1]) == 1
+
+
+@needs_mpi
+@needs_cli
+def test_ranks_flag_forwards_signals_and_exit_status(tmp_path):
+    """SIGHUP to the command reaches the ranks (a snapshot, training goes
+    on), SIGTERM reaches them through mpiexec (a snapshot, then a stop,
+    status 0); a failing job's status comes back as mpiexec's."""
+    import re
+    import signal
+    import subprocess
+    from .mpirun import env
+    s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="sig")
+    s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
+    p = subprocess.Popen([sys.executable, "-m", "caffempi", "train", "--ranks=2", "--solver=%s" % s],
+                         env=env(), stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    lines = []
+    try:
+        t = time.time()
+        # SIGHUP once training runs; SIGTERM at an iteration after SIGHUP's snapshot
+        for sig, waits in ((signal.SIGHUP, ["Iteration 6 ("]),
+                           (signal.SIGTERM, ["Snapshotting solver state", " iters), "])):
+            for after in waits:
+                for line in p.stderr:
+                    lines.append(line)
+                    if after in line:
+                        break
+                    assert time.time() - t < 60, "".join(lines)
+            p.send_signal(sig)
+        _, rest = p.communicate(timeout=30)
+    finally:
+        if p.poll() is None:
+            p.kill()
+    out = "".join(lines) + rest
+    assert p.returncode == 0, out
+    assert "Optimization stopped early" in out
+    iters = sorted(int(re.search(r"_iter_(\d+)\.", f.name).group(1)) for f in tmp_path.glob("sig_iter_*.caffemodel"))
+    assert len(iters) == 2 and iters[0] < iters[1], out
+    # a job that fails: the same status as under mpiexec, rank 0's one line
+    bad = write_solver(tmp_path, 12, 2, prefix="bad")
+    bad.write_text(bad.read_text().replace(str(tmp_path / "bad"), "/nonexistent/dir/bad"))
+    direct = mpirun(2, ["-m", "caffempi", "train", "--solver=%s" % bad], cwd=tmp_path, check=False)
+    relaunched = caffempi(["train", "--ranks=2", "--solver=%s" % bad], tmp_path)
+    assert relaunched.returncode == direct.returncode != 0
+    assert "cannot write to snapshot prefix" in relaunched.stderr
+
+
+@needs_mpi
+@needs_cli
+def test_ranks_flag_under_mpiexec_must_match_the_job(tmp_path):
+    s = write_solver(tmp_path, 12, 2, prefix="match")
+    p = mpirun(2, ["-m", "caffempi", "train", "--ranks=3", "--solver=%s" % s], cwd=tmp_path, check=False)
+    assert p.returncode == 1, p.stderr
+    errors = [line for line in p.stderr.splitlines() if "error" in line]
+    assert errors == ["caffempi: error: --ranks=3, but this job has 2 ranks"], p.stderr
+    assert mpirun(2, ["-m", "caffempi", "train", "--ranks=2", "--solver=%s" % s], cwd=tmp_path).returncode == 0
