@@ -16,6 +16,9 @@ from .layer_types.base import create_layer
 from .layer_types.recurrent import use_net_class
 from .proto import caffe_pb2
 
+# when a net calls the per-layer callbacks: around each layer's forward and backward
+LAYER_HOOKS = ("before_forward", "after_forward", "before_backward", "after_backward")
+
 
 # ------------------------------------------------------------ state filtering
 def state_meets_rule(state, rule):
@@ -131,7 +134,12 @@ class Net:
     ``_layer_names``), ``inputs``, ``outputs``, ``top_names``/``bottom_names``,
     ``blob_loss_weights``, ``forward``/``backward``/``forward_all``/
     ``forward_backward_all``, ``reshape()``, ``set_input_arrays``,
-    ``share_with``, ``copy_from``, ``save``, ``save_hdf5``/``load_hdf5``.
+    ``share_with``, ``copy_from``, ``save``, ``save_hdf5``/``load_hdf5``;
+    per-layer callbacks ``before_forward(fn)``, ``after_forward``,
+    ``before_backward``, ``after_backward`` (``fn(layer_index)``); and
+    _caffe.cpp's ``_blob_names``, ``_blobs``, ``_blob_loss_weights``,
+    ``_inputs``/``_outputs`` (blob indices), ``_top_ids(i)``/``_bottom_ids(i)``,
+    ``_forward``/``_backward`` (layer indices), ``_set_input_arrays``.
 
     All learnable parameters live in two flat buffers (``param_data``,
     ``param_diff``) in layer order, so the gradients of consecutive layers are
@@ -168,7 +176,9 @@ class Net:
         self.name = param.name
         self.data_shard = tuple(data_shard)
         self.net_param = insert_splits(filter_net(param))
-        self._backward_hooks = []
+        # per-layer callbacks fn(layer_index), BVLC master's Net::Callback:
+        # the user's (net.before_forward(fn) ...) and the gradient sync's
+        self._hooks = {when: [] for when in LAYER_HOOKS}
         # Backward seeds each loss top with loss_weight * gradient_scale, and
         # every gradient is linear in that seed: a gradient sync that sums the ranks'
         # gradients sets 1/N here and gets their mean with no pass over them.
@@ -245,6 +255,43 @@ class Net:
     def _layer_names(self):
         """pycaffe's name for :attr:`layer_names`."""
         return self.layer_names
+
+    # pycaffe's _caffe.cpp names, which BVLC's pycaffe.py and scripts use
+    @property
+    def _blob_names(self):
+        """The blob names in blob order (the keys of :attr:`blobs`)."""
+        return list(self.blobs)
+
+    @property
+    def _blobs(self):
+        return list(self.blobs.values())
+
+    @property
+    def _blob_loss_weights(self):
+        """The loss weights in blob order (the values of :attr:`blob_loss_weights`)."""
+        return list(self.blob_loss_weights.values())
+
+    @property
+    def _inputs(self):
+        """The blob indices of :attr:`inputs`."""
+        return self._blob_ids(self.inputs)
+
+    @property
+    def _outputs(self):
+        """The blob indices of :attr:`outputs`."""
+        return self._blob_ids(self.outputs)
+
+    def _top_ids(self, i):
+        """The blob indices of layer i's tops."""
+        return self._blob_ids(self.top_names[i])
+
+    def _bottom_ids(self, i):
+        """The blob indices of layer i's bottoms."""
+        return self._blob_ids(self.bottom_names[i])
+
+    def _blob_ids(self, names):
+        index = {name: k for k, name in enumerate(self.blobs)}
+        return [index[name] for name in names]
 
     @property
     def blob_loss_weights(self):
@@ -373,7 +420,10 @@ class Net:
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
         mm = self.memory if self.memory.active or self.memory.probe else None
+        before, after = self._hooks["before_forward"], self._hooks["after_forward"]
         for i in range(start, end + 1):
+            for hook in before:
+                hook(i)
             layer = self.layers[i]
             if mm:
                 mm.before_forward(i)
@@ -383,13 +433,19 @@ class Net:
                 loss += w * float(self.top_vecs[i][j].data.sum())
             if mm:
                 mm.after_forward(i)
+            for hook in after:
+                hook(i)
         return loss
 
     def backward_range(self, start=None, end=0):
-        """Backward layers start..end (start >= end), calling the hooks after each."""
+        """Backward layers start..end (start >= end), calling the hooks
+        before and after each (also for layers that need no backward, as Caffe)."""
         start = len(self.layers) - 1 if start is None else start
         mm = self.memory if self.memory.active or self.memory.probe else None
+        before, after = self._hooks["before_backward"], self._hooks["after_backward"]
         for i in range(start, end - 1, -1):
+            for hook in before:
+                hook(i)
             if self.layer_need_backward[i]:
                 if mm:
                     mm.before_backward(i)
@@ -403,8 +459,10 @@ class Net:
                     layer.backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
             if mm:
                 mm.after_backward(i)
-            for hook in self._backward_hooks:
+            for hook in after:
                 hook(i)
+
+    _forward, _backward = forward_range, backward_range      # pycaffe's _caffe.cpp names
 
     def _backward_at_unit_scale(self, i, scale):
         """Layer i's backward as in one process (its loss tops' diffs hold
@@ -437,7 +495,7 @@ class Net:
         self._write_blobs(kwargs, self.inputs, "data", "forward")
         s = self._layer_index(start, 0, "forward")
         e = self._layer_index(end, len(self.layers) - 1, "forward")
-        names = set(self.outputs if end is None else self.top_names[e]) | self._blob_names(blobs, "forward")
+        names = set(self.outputs if end is None else self.top_names[e]) | self._known_blob_names(blobs, "forward")
         keep = self.memory.extra_keep
         self.memory.extra_keep = keep | names
         try:
@@ -462,7 +520,7 @@ class Net:
         self._write_blobs(kwargs, self.outputs, "diff", "backward")
         s = self._layer_index(start, len(self.layers) - 1, "backward")
         e = self._layer_index(end, 0, "backward")
-        names = set(self.inputs if end is None else self.bottom_names[e]) | self._blob_names(diffs, "backward")
+        names = set(self.inputs if end is None else self.bottom_names[e]) | self._known_blob_names(diffs, "backward")
         keep = self.memory.extra_keep_diff
         self.memory.extra_keep_diff = keep | names
         try:
@@ -568,7 +626,7 @@ class Net:
         except ValueError:
             raise CaffeError("%s: net '%s' has no layer '%s'" % (what, self.name, name)) from None
 
-    def _blob_names(self, names, what):
+    def _known_blob_names(self, names, what):
         names = set(names or ())
         unknown = sorted(names - set(self.blobs))
         if unknown:
@@ -614,6 +672,8 @@ class Net:
                              % (self.name, first))
         self.layers[0].reset(data, labels)
 
+    _set_input_arrays = set_input_arrays
+
     def forward_backward(self):
         """One training pass; returns the loss.  Param diffs accumulate."""
         loss = self.forward_range()
@@ -623,12 +683,41 @@ class Net:
     def clear_param_diffs(self):
         self.param_diff[...] = 0
 
-    def add_backward_hook(self, fn):
-        """``fn(layer_index)`` runs after each layer's backward (for the gradient sync)."""
-        self._backward_hooks.append(fn)
+    # ------------------------------------------------------------- callbacks
+    def add_hook(self, when, fn):
+        """``fn(layer_index)`` runs at ``when`` (one of LAYER_HOOKS) of every
+        layer that forward_range/backward_range passes, wrapping the layer's
+        work and its memory plan's, in the order added."""
+        if when not in LAYER_HOOKS:
+            raise CaffeError("net '%s': no callback point '%s' (%s)" % (self.name, when, ", ".join(LAYER_HOOKS)))
+        if not callable(fn):
+            raise CaffeError("net '%s': %s needs a callable taking the layer index, got %r" % (self.name, when, fn))
+        self._hooks[when].append(fn)
+
+    def remove_hook(self, when, fn):
+        self._hooks[when].remove(fn)
+
+    def before_forward(self, fn):
+        """pycaffe's (BVLC master's Net_before_forward): ``fn(i)`` before layer i's forward."""
+        self.add_hook("before_forward", fn)
+
+    def after_forward(self, fn):
+        """pycaffe's: ``fn(i)`` after layer i's forward."""
+        self.add_hook("after_forward", fn)
+
+    def before_backward(self, fn):
+        """pycaffe's: ``fn(i)`` before layer i's backward."""
+        self.add_hook("before_backward", fn)
+
+    def after_backward(self, fn):
+        """pycaffe's: ``fn(i)`` after layer i's backward (where the gradient
+        sync starts the sums of the buckets layer i completes)."""
+        self.add_hook("after_backward", fn)
+
+    add_backward_hook = after_backward
 
     def remove_backward_hook(self, fn):
-        self._backward_hooks.remove(fn)
+        self.remove_hook("after_backward", fn)
 
     # ------------------------------------------------------ data layer state
     # Data layers may define get_state()/set_state(state) (their position in

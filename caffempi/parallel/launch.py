@@ -1,8 +1,10 @@
 """Start-up of a rank: the process settings its MPI needs, per-rank logging,
 abort on any rank's error (a normal exit on an error all ranks agreed on),
-its share of the host's cores, and its gradient strategy; and the start of
-a whole job from one command without a launcher (``--ranks``, ``--gpu``
-lists: :func:`ranks_to_launch`, :func:`run_under_mpiexec`)."""
+its share of the host's cores, and its gradient strategy (for the CLI,
+:func:`setup_parallel`; for a Python script's solver under mpiexec,
+:func:`default_gradient_sync`); and the start of a whole job from one
+command without a launcher (``--ranks``, ``--gpu`` lists:
+:func:`ranks_to_launch`, :func:`run_under_mpiexec`)."""
 import importlib.util
 import logging
 import os
@@ -16,7 +18,7 @@ import traceback
 from .. import config
 from ..common import AgreedError, CaffeError, init_logging, log
 from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
-from .comm import get_world, launched_by_mpi
+from .comm import SingleWorld, get_world, launched_by_mpi
 from .easgd import ElasticAveraging
 from .sfb import SFB_MODES, SufficientFactorBroadcast
 from .sync import BucketedAllreduce
@@ -24,15 +26,16 @@ from .transports import COMM_DTYPES, check_comm_mode
 from .watchdog import DEFAULT_TIMEOUT
 
 
-def init_rank_logging(world=None, stream=None):
-    """Rank 0 logs to stderr at the level glog's flags chose; the other
-    ranks write warnings and errors only there, prefixed with ``[rank r] ``
-    (their --log_dir files get all of their own lines)."""
+def init_rank_logging(world=None, stream=None, level=logging.NOTSET):
+    """Rank 0 logs to stderr at the level glog's flags chose (and at least
+    ``level``); the other ranks write warnings and errors only there,
+    prefixed with ``[rank r] `` (their --log_dir files get all of their own
+    lines)."""
     world = world or get_world()
     if world.size == 1 or world.rank == 0:
-        init_logging(stream=stream)
+        init_logging(level, stream=stream)
     else:
-        init_logging(logging.WARNING, prefix="[rank %d] " % world.rank, stream=stream)
+        init_logging(max(level, logging.WARNING), prefix="[rank %d] " % world.rank, stream=stream)
 
 
 def _report(world, exc_type, exc, tb, debug=False):
@@ -203,15 +206,16 @@ def make_gradient_sync(world, sync="sgd", comm="auto", bucket_mb=None, tau=10, a
     raise CaffeError("unknown --sync '%s' (sgd or easgd)" % sync)
 
 
-def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
-                   comm_timeout=DEFAULT_TIMEOUT, sfb="off", link_gbps=0.0, gemm_gflops=0.0,
-                   comm_dtype="fp32", ranks=0):
-    """Everything a rank does before building its solver: the process
-    settings for ``comm``, the world (MPI only under a launcher), per-rank
-    logging, abort on errors, the collective watchdog (``comm_timeout``
-    seconds), its share of the cores, the gradient strategy.  ``ranks``
-    (--ranks), when not 0, must be the world's size.
-    Returns (world, sync); pass ``sync=`` to the solver."""
+_started_world = None       # the world start_rank set up in this process
+
+
+def start_rank(comm="auto", debug=False, comm_timeout=DEFAULT_TIMEOUT, ranks=0):
+    """The process part of :func:`setup_parallel`: the process settings for
+    ``comm``, the world (MPI only under a launcher), per-rank logging, abort
+    on errors, the collective watchdog (``comm_timeout`` seconds), its share
+    of the cores.  ``ranks`` (--ranks), when not 0, must be the world's
+    size.  Returns the world."""
+    global _started_world
     check_comm_mode(comm)
     init_process(comm)
     world = get_world(comm)
@@ -224,8 +228,55 @@ def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, d
         log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
                  world.processor_name())
     share_cores(world)
+    _started_world = world
+    return world
+
+
+def setup_parallel(comm="auto", bucket_mb=None, sync="sgd", tau=10, alpha=0.2, debug=False,
+                   comm_timeout=DEFAULT_TIMEOUT, sfb="off", link_gbps=0.0, gemm_gflops=0.0,
+                   comm_dtype="fp32", ranks=0):
+    """Everything a rank does before building its solver: :func:`start_rank`,
+    then the gradient strategy.  Returns (world, sync); pass ``sync=`` to
+    the solver."""
+    world = start_rank(comm, debug, comm_timeout, ranks)
     return world, make_gradient_sync(world, sync, comm, bucket_mb, tau, alpha, sfb, link_gbps, gemm_gflops,
                                      comm_dtype)
+
+
+# ---------------------------------------------------- Python script seam
+def parallel_flag_defaults():
+    """{flag: default} of the data-parallel flags, read from
+    :func:`add_parallel_flags` (the one place they are written)."""
+    defaults = {}
+    add_parallel_flags(lambda name, default, help: defaults.setdefault(name, default))
+    return defaults
+
+
+def script_world():
+    """The world of a Python script that no ``caffempi train`` started
+    (pycaffe's ``caffe.SGDSolver(path)`` or ``caffe.solver_count()`` under
+    ``mpiexec -n N python script.py``): the first call starts the rank as
+    train does with its default flags (:func:`start_rank`), so errors abort
+    the job instead of hanging it; later calls, and a process that
+    setup_parallel started, get the world already made."""
+    if _started_world is None:
+        defaults = parallel_flag_defaults()
+        start_rank(defaults["comm"], comm_timeout=defaults["comm_timeout"])
+    return _started_world
+
+
+def default_gradient_sync():
+    """The gradient strategy of a solver made without ``sync=``: under a
+    launcher (any number of ranks), train's with its default flags
+    (--sync=sgd --comm=auto --sfb=auto ...) over :func:`script_world`, so a
+    script's solver shards the data and averages the gradients as train's
+    does instead of each rank training alone on all of it; otherwise one
+    process (no MPI import)."""
+    if not launched_by_mpi():
+        return BucketedAllreduce(SingleWorld())
+    d = parallel_flag_defaults()
+    return make_gradient_sync(script_world(), d["sync"], d["comm"], d["bucket_mb"], d["tau"], d["alpha"],
+                              d["sfb"], d["link_gbps"], d["gemm_gflops"], d["comm_dtype"])
 
 
 def exit_code(rc, world=None):

@@ -19,8 +19,7 @@ from ..io.atomic import atomic_path
 from ..io.proto_io import ProtoError
 from ..memory import TRAINING_DEFAULT, check_mode
 from ..net import Net
-from ..parallel.comm import SingleWorld
-from ..parallel.sync import BucketedAllreduce
+from ..parallel.launch import default_gradient_sync
 from ..proto import caffe_pb2
 from . import lr_policy
 
@@ -71,15 +70,23 @@ class Solver:
 
     ``Solver(param_or_path, xp=numpy, sync=None, weights=None, source=None, memory="reuse")``
 
-    pycaffe-like API: ``step(n)``, ``solve(resume_file=None)``, ``net``,
-    ``test_nets``, ``iter``, ``snapshot()``, ``restore(path)``, ``test(i)``.
+    pycaffe's API: ``step(n)``, ``solve(resume_file=None)``, ``net``,
+    ``test_nets``, ``iter`` (here also writable), ``param`` (the
+    SolverParameter; the loop reads it every iteration, so a changed
+    ``base_lr`` takes effect), ``lr``, ``snapshot()``, ``restore(path)``,
+    ``apply_update()``, ``share_weights(net)``,
+    ``add_callback(on_start, on_gradients_ready)``; and ``test(i)``.
 
     Data parallelism (layers and solvers never call MPI) is ``sync``, a
     :class:`~caffempi.parallel.sync.GradientSync` that the loop drives (its
     docstring lists the calls), and its ``collectives`` for everything that
-    is not gradients; without one, the single-process strategy.  Only rank 0
-    logs and writes snapshots (``is_root``).  ``set_action_function(fn)``
-    installs the signal poller (Caffe's SetActionFunction).
+    is not gradients.  Without one, the parallel package's default: one
+    process, or under an MPI launcher ``caffempi train``'s default strategy,
+    so that a pycaffe script's ``caffe.SGDSolver(path)`` run by
+    ``mpiexec -n N`` is data parallel as train is, not N copies of one
+    training.  Only rank 0 logs and writes snapshots (``is_root``).
+    ``set_action_function(fn)`` installs the signal poller (Caffe's
+    SetActionFunction).
     """
 
     type = None          # Caffe's solver type name
@@ -101,9 +108,10 @@ class Solver:
         self.param = param
         self.source = source
         self.xp = xp if xp is not None else default_array_module()
-        self.sync = sync if sync is not None else BucketedAllreduce(SingleWorld())
+        self.sync = sync if sync is not None else default_gradient_sync()
         self.collectives = self.sync.collectives
         self.action_function = None
+        self.callbacks = []              # (on_start, on_gradients_ready) pairs: add_callback
         self.requested_early_exit = False
         self.iter = 0
         self.current_step = 0
@@ -383,7 +391,17 @@ class Solver:
     def local_rate(self, rate):
         return f32(rate) * self.lr_mult
 
+    @property
+    def lr(self):
+        """pycaffe's ``solver.lr``: the rate the next update applies (read
+        without advancing multistep's step, unlike Caffe's GetLearningRate:
+        reading a property should change nothing)."""
+        return lr_policy.learning_rate(self.param, self.iter, self.current_step, info=lambda *args: None)[0]
+
     def apply_update(self):
+        """Caffe's ApplyUpdate: the update from the net's gradients as they
+        are (step averages them over the ranks first; a script's own loop
+        that calls this after net.backward() updates each rank alone)."""
         rate = self.get_learning_rate()
         p = self.param
         if p.display and self.iter % p.display == 0:
@@ -396,6 +414,23 @@ class Solver:
         return rate
 
     # ----------------------------------------------------------------- loop
+    def add_callback(self, on_start, on_gradients_ready):
+        """pycaffe's ``solver.add_callback`` (Caffe's Solver::Callback):
+        every iteration of :meth:`step` calls ``on_start()`` before its
+        forward/backward passes (after a test pass due then) and
+        ``on_gradients_ready()`` after them, once the gradients are averaged
+        over the ranks, before the update (which applies what ``param_diff``
+        then holds); callbacks run in the order added."""
+        for name, fn in (("on_start", on_start), ("on_gradients_ready", on_gradients_ready)):
+            if not callable(fn):
+                raise CaffeError("add_callback: %s must be callable, got %r" % (name, fn))
+        self.callbacks.append((on_start, on_gradients_ready))
+
+    def share_weights(self, net):
+        """pycaffe's ``solver.share_weights(net)``: ``net``'s layers use the
+        train net's parameter blobs of the same layer names (Net.share_with)."""
+        net.share_with(self.net)
+
     def set_action_function(self, fn):
         """``fn()`` -> SolverAction value, polled after every iteration and
         test batch (Caffe's SetActionFunction; the CLI's signal handler)."""
@@ -485,6 +520,8 @@ class Solver:
                 self.test_all()
                 if self.requested_early_exit:
                     break
+            for on_start, _ in self.callbacks:
+                on_start()
             display = p.display and self.iter % p.display == 0
             loss = 0.0
             sync.start_iteration(net, iter_size)
@@ -501,6 +538,8 @@ class Solver:
                 self._display(now - timer)
                 timer = now
                 self._iterations_last = self.iter
+            for _, on_gradients_ready in self.callbacks:
+                on_gradients_ready()
             self.apply_update()
             sync.after_update(net)
             self.iter += 1

@@ -9,16 +9,20 @@ from ...common import CaffeError
 from .base import Transport
 
 
+def nccl_loaded():
+    """Whether CuPy's NCCL library loads in this process."""
+    try:
+        from cupy.cuda import nccl
+        return bool(nccl.available)
+    except Exception:
+        return False
+
+
 def nccl_unavailable_reason(world):
     """Why NCCL cannot join these ranks, or None.  Collective: every rank
     calls it and gets the same answer."""
-    try:
-        from cupy.cuda import nccl
-        ok = bool(nccl.available)
-    except Exception:
-        ok = False
     dev = cp.cuda.Device()
-    where = (world.processor_name(), dev.pci_bus_id, ok)
+    where = (world.processor_name(), dev.pci_bus_id, nccl_loaded())
     seen = {}
     for rank, (host, bus, has) in enumerate(world.allgather(where)):
         if not has:
