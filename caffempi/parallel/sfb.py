@@ -20,6 +20,7 @@ weight is shared with another layer (its gradient has several parts),
 under ``iter_size`` > 1 (the factors of each sub-batch would have to be
 kept), and on GPU nets.
 """
+import math
 import time
 
 import numpy as np
@@ -28,6 +29,7 @@ from ..backend import kernels
 from ..common import CaffeError, log
 from .sync import BucketedAllreduce
 from .transports.base import yield_core
+from .transports.compressed import bucket_scale
 
 SFB_MODES = ("auto", "on", "off")
 _ITEM = 4          # float32 bytes
@@ -228,18 +230,35 @@ class SufficientFactorBroadcast(BucketedAllreduce):
             self._progress()
 
     def _gather(self, i, layer):
-        """Start the all-gathers of a layer's factors (its backward just ran)."""
+        """Start the all-gathers of a layer's factors (its backward just ran).
+        With --comm_dtype=fp16 a factor crosses as float16 (as uint16: MPI
+        has no float16 type), scaled by this rank's power of two, whose
+        exponent rides as one more float16 value: top diffs have gradients'
+        magnitudes, float16 subnormals that would keep few bits."""
         requests, buffers = [], []
         with self.world.watch("the sufficient factors of layer '%s'" % self.net.layer_names[i]):
             for f in layer.factors:
-                # float16 on the wire with --comm_dtype=fp16 (as uint16: MPI has no float16 type)
-                send = np.ascontiguousarray(f, np.float16 if self.comm_dtype == "fp16" else f.dtype)
+                if self.comm_dtype == "fp16":
+                    f = np.asarray(f)
+                    scale = bucket_scale(float(np.abs(f).max()) if f.size else 0.0, 1)
+                    send = np.empty(f.size + 1, np.float16)
+                    send[:-1] = (f.reshape(-1) * np.float32(scale))
+                    send[-1] = math.log2(scale)
+                    as_sent = send.view(np.uint16)
+                else:
+                    send = as_sent = np.ascontiguousarray(f)
                 recv = np.empty((self.world.size,) + send.shape, send.dtype)
-                as_sent = np.uint16 if send.dtype == np.float16 else send.dtype
-                requests.append(self._comm.Iallgather(send.view(as_sent), recv.view(as_sent)))
-                buffers.append((send, recv))
+                requests.append(self._comm.Iallgather(as_sent, recv.view(as_sent.dtype)))
+                buffers.append((np.shape(f), recv))
         layer.factors = None
         self._gathers[i] = (requests, buffers)
+
+    def _all_rows(self, shape, recv, dtype):
+        """Every rank's rows of one gathered factor of ``shape`` (M x ...), as
+        (ranks * M) x rest in ``dtype``, unscaled where it came as float16."""
+        if self.comm_dtype == "fp16":
+            recv = recv[:, :-1].astype(dtype) * np.exp2(-recv[:, -1:].astype(dtype))
+        return np.asarray(recv, dtype).reshape(self.world.size * shape[0], -1)
 
     def _progress(self):
         pending = [r for requests, _ in self._gathers.values() for r in requests]
@@ -259,9 +278,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
                         while not r.Test():
                             self.transport.poll()
                             yield_core()
-                (_, dy), (_, x) = buffers
-                m = dy.shape[0] * dy.shape[1]
-                dy, x = (np.asarray(f.reshape(m, -1), net.dtype) for f in (dy, x))
+                dy, x = (self._all_rows(shape, recv, net.dtype) for shape, recv in buffers)
                 grad = layer.blobs[0].diff
                 if layer.factor_transposed:
                     grad[...] = kernels.matmul(net.xp, x.T, dy)

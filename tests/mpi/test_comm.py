@@ -251,6 +251,13 @@ def test_layers_that_cannot_use_factors_say_why():
 
 @needs_mpi
 @pytest.mark.parametrize("n", [2, 3])
+def test_float16_factors_keep_precision_at_gradient_magnitudes(n):
+    p = mpirun(n, [WORKERS / "sfb_fp16_worker.py"])
+    assert "SFB FP16 OK" in p.stdout
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
 def test_float16_sums(n):
     p = mpirun(n, [WORKERS / "fp16_worker.py"])
     assert "FP16 OK" in p.stdout
