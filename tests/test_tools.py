@@ -311,3 +311,14 @@ def test_scaling_model_measured_weight_gradient_time():
                                           weight_grad_seconds=measured)
     assert (8, 4096, 9216, True) in calls and (16, 4096, 9216, False) in calls
     assert step == pytest.approx(0.150 - 0.080 + 0.090, abs=1e-6)     # the gather: 0.4 us
+
+
+def test_scaling_model_polled_transport_cost():
+    """A polled transport's work lands on the computing thread: its
+    measured cost per byte of gradient summed adds to the step."""
+    prof = _profile()
+    base = scaling_model.predict(prof, 2, 5e-6, 1e-9, "overlap")
+    polled = scaling_model.predict(prof, 2, 5e-6, 1e-9, "overlap", poll_seconds_per_byte=2e-9)
+    assert polled[0] - base[0] == pytest.approx(2e-9 * 500000 * 4)
+    assert polled[1] == pytest.approx(base[1])
+    assert scaling_model.POLLED_MODES == {"overlap": "fp32", "fp16": "fp16"}

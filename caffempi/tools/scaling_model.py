@@ -127,7 +127,8 @@ def link_schedule(items, beta, burst=0.0, idle_before=0.0):
 
 
 def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0,
-            factors=(), gemm_rate=100e9, bytes_per_value=4, burst=0.0, weight_grad_seconds=None):
+            factors=(), gemm_rate=100e9, bytes_per_value=4, burst=0.0, weight_grad_seconds=None,
+            poll_seconds_per_byte=0.0):
     """Step seconds and exposed seconds for n ranks; ``jitter`` is the
     per-rank independent step-time sigma in seconds (the straggler term);
     ``factors``: the indices of the layers using sufficient factors (their
@@ -135,7 +136,9 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
     --comm_dtype=fp16; ``burst``: the link's token bucket (link_schedule);
     ``weight_grad_seconds(rows, M, N, accumulate)``: the measured time of a
     factor layer's weight gradient (sfb.measure_weight_grad_seconds), else
-    its FLOPs at ``gemm_rate``."""
+    its FLOPs at ``gemm_rate``; ``poll_seconds_per_byte``: what a polled
+    transport's work costs the computing thread per byte of gradient summed
+    (measure_poll_cost), added to the step."""
     if weight_grad_seconds is None:
         def weight_grad_seconds(rows, m, k, accumulate):
             return 2.0 * rows * m * k / gemm_rate
@@ -154,6 +157,7 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
             gemm += weight_grad_seconds(n * m, nn, k, False)
         layers.append(L)
     bwd = sum(L["backward_ms"] for L in layers) / 1e3
+    other += poll_seconds_per_byte * sum(L["params"] for L in layers) * 4
     scale = bytes_per_value / 4.0                            # bytes sent per float32 byte of gradient
 
     def ring(ready, nbytes):
@@ -205,17 +209,62 @@ def _allreduce_worker(out):
             json.dump({"size": comm.size, "points": res}, f)
 
 
-def calibrate(n=2, cluster=None):
-    """Measure Allreduce on n local ranks (shared memory), or on the hosts of
-    an emulated ``cluster`` (caffempi.testing.cluster), and fit alpha, beta."""
+def _poll_cost_worker(out):
+    """One rank of measure_poll_cost: a loop of small GEMMs standing in for
+    backward, polling the transport between products as backward's kernels
+    do, timed alone and while a polled sum of a 16 MB buffer crosses the
+    link (the loop lasts twice a blocking sum, so the sum ends inside it)."""
+    from ..parallel.comm import get_world
+    from ..parallel.transports import make_transport
+    world = get_world("overlap")
+    a, b = np.ones((64, 1024), np.float32), np.ones((1024, 1024), np.float32)
+    nbytes = 16 * 2 ** 20
+    buf = np.ones(nbytes // 4, np.float32)
+
+    def loop(poll, count):
+        t = time.perf_counter()
+        for _ in range(count):
+            np.dot(a, b)
+            poll()
+        return time.perf_counter() - t
+
+    per_call = loop(lambda: None, 50) / 50
+    result = {}
+    for dtype in ("fp32", "fp16"):
+        transport = make_transport(world, "overlap", np, nbytes, dtype)
+        world.barrier()
+        t = time.perf_counter()
+        transport.allreduce(buf)
+        count = int(max(0.3, 2 * (time.perf_counter() - t)) / per_call)
+        count = world.bcast(count, 0)
+        extra = []
+        for _ in range(5):
+            world.barrier()
+            alone = loop(lambda: None, count)
+            world.barrier()
+            handle = transport.allreduce_start(buf)
+            polled = loop(transport.poll, count)
+            transport.backward_end()
+            transport.wait(handle)
+            extra.append(polled - alone)
+        result[dtype] = max(0.0, float(np.median(extra))) / nbytes    # below 0: noise
+        transport.close()
+    if world.rank == 0:
+        with open(out, "w") as f:
+            json.dump(result, f)
+
+
+def _run_worker(flag, n, cluster):
+    """Run this module's ``--<flag>`` worker on n local ranks or on the hosts
+    of an emulated cluster; returns the JSON it wrote."""
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-    worker = [sys.executable, "-m", "caffempi.tools.scaling_model", "--allreduce_worker=" + out]
+    worker = [sys.executable, "-m", "caffempi.tools.scaling_model", "--%s=%s" % (flag, out)]
     if cluster is not None:
         p = cluster.mpiexec(worker, env=env, timeout=600)
         if p.returncode:
-            raise SystemExit("link calibration failed:\n" + p.stderr[-2000:])
+            raise SystemExit("%s failed:\n%s" % (flag, p.stderr[-2000:]))
     else:
         mpiexec = Path(sys.executable).parent / "mpiexec"
         subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n)] + worker,
@@ -223,6 +272,20 @@ def calibrate(n=2, cluster=None):
     with open(out) as f:
         data = json.load(f)
     os.unlink(out)
+    return data
+
+
+def measure_poll_cost(cluster):
+    """Seconds the computing thread spends per byte of gradient summed by
+    the polled transports (``--comm=overlap``: fp32; ``--comm_dtype=fp16``)
+    on the emulated ``cluster``'s link: {"fp32": s, "fp16": s}."""
+    return _run_worker("poll_cost_worker", 2, cluster)
+
+
+def calibrate(n=2, cluster=None):
+    """Measure Allreduce on n local ranks (shared memory), or on the hosts of
+    an emulated ``cluster`` (caffempi.testing.cluster), and fit alpha, beta."""
+    data = _run_worker("allreduce_worker", n, cluster)
     return fit(data["points"], data["size"], cluster.burst_bytes if cluster is not None and cluster.rate else 0.0), data
 
 
@@ -314,13 +377,21 @@ def factor_choice(profile, n, alpha, beta, gemm_rate):
     return {L["index"] for L, p in zip(cands, plan) if p[0]}
 
 
-def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.0, hosts=(16, 64)):
+# benchmarks/cluster.py's modes whose sums are polled by the computing
+# thread (--comm=overlap, and --comm_dtype=fp16's chained float16 sums)
+POLLED_MODES = {"overlap": "fp32", "fp16": "fp16"}
+
+
+def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.0, poll_costs=None,
+                   hosts=(16, 64)):
     """Predicted against measured 2-host figures (benchmarks/cluster.py
     --json), then each net's predicted efficiency on more hosts.  Each 2-host
     prediction: the independent pair's per-layer profile of the same run, the
     link's alpha, beta and token bucket (``burst``), the factor layers'
-    measured weight-gradient times, and the straggler term with sigma from
-    the skew of the *other* 2-host runs of the same net (so no run's own wait
+    measured weight-gradient times, the polled transports' cost to the
+    computing thread (``poll_costs``: rate -> {"fp32": s, "fp16": s} per
+    byte, measure_poll_cost), and the straggler term with sigma from the
+    skew of the *other* 2-host runs of the same net (so no run's own wait
     predicts it)."""
     lines = ["2 emulated hosts: predicted from the independent pair's profile (run alongside), against "
              "the measurement (GEMM %.0f GFLOP/s)" % (gemm_rate / 1e9),
@@ -338,10 +409,12 @@ def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.
         others = [np.mean([x["skew_ms"] for x in o["runs"]]) for o in measured
                   if o["net"] == r["net"] and o is not r]
         jitter = jitter_from_skew(float(np.mean(others))) / 1e3 if others else 0.0
+        polled = POLLED_MODES.get(r["mode"])
+        poll_cost = (poll_costs or {}).get(r["rate"], {}).get(polled, 0.0) if polled else 0.0
         step = predict(profile, 2, alpha, beta, "blocking" if r["mode"] == "blocking" else "overlap",
                        jitter=jitter, factors=used, gemm_rate=gemm_rate,
                        bytes_per_value=2 if r["mode"] == "fp16" else 4, burst=burst,
-                       weight_grad_seconds=weight_grad_seconds)[0]
+                       weight_grad_seconds=weight_grad_seconds, poll_seconds_per_byte=poll_cost)[0]
         meas = r["step_ms"] / 1e3
         within.append(abs(step - meas) <= 0.1 * meas)
         lines.append("%-14s %-7s %-9s %10.1f %10.1f %+7.1f%% %9.3f %9.3f" % (
@@ -400,6 +473,8 @@ def weight_grad_timer():
 FLAGS = FlagSet("scaling_model", __doc__.strip())
 FLAGS.define("allreduce_worker", "", "Internal: run as one rank of --calibrate's measurement, writing JSON to "
              "this file.")
+FLAGS.define("poll_cost_worker", "", "Internal: run as one rank of --calibrate_links' polling-cost "
+             "measurement, writing JSON to this file.")
 FLAGS.define("bench", "", "JSON of benchmarks/scaling.py --json")
 FLAGS.define("calibrate", False, "measure shared-memory alpha/beta on 2 ranks")
 FLAGS.define("alpha_us", None, "shared-memory alpha (skip --calibrate)", kind=float)
@@ -416,30 +491,45 @@ FLAGS.define("calibrate_links", False, "with --cluster_bench: measure alpha/beta
 FLAGS.define("link_latency_us", 50.0, "the link latency assumed without --calibrate_links")
 FLAGS.define("link", [], "with --cluster_bench: links measured before (by --calibrate_links), "
              "RATE:ALPHA_US:GBITS each, e.g. 1gbit:25.3:0.95")
+FLAGS.define("poll_cost", [], "with --cluster_bench: polling costs measured before (by --calibrate_links), "
+             "RATE:FP32_NS:FP16_NS each (ns of compute per byte of gradient summed)")
 FLAGS.define("gemm_gflops", 0.0, "the GEMM rate (0: measured here, 1 thread)")
 
 
 def _main(a):
     if a.allreduce_worker:
         return _allreduce_worker(a.allreduce_worker)
+    if a.poll_cost_worker:
+        return _poll_cost_worker(a.poll_cost_worker)
     if a.cluster_bench:
         with open(a.cluster_bench) as f:
             records = json.load(f)
         from ..testing.cluster import Cluster
-        links = {}
+        links, poll_costs = {}, {}
         for given in a.link:
             rate, alpha_us, gbits = given.split(":")
             links[rate] = (float(alpha_us) * 1e-6, 8e-9 / float(gbits))
-        for rate in sorted({r["rate"] for r in records if r["rate"]} - set(links)):
-            if a.calibrate_links:
+        for given in a.poll_cost:
+            rate, fp32_ns, fp16_ns = given.split(":")
+            poll_costs[rate] = {"fp32": float(fp32_ns) * 1e-9, "fp16": float(fp16_ns) * 1e-9}
+        for rate in sorted({r["rate"] for r in records if r["rate"]}):
+            if a.calibrate_links and (rate not in links or rate not in poll_costs):
                 with Cluster(2, rate) as cluster:
-                    links[rate], _ = calibrate(2, cluster)
-            else:
+                    if rate not in links:
+                        links[rate], _ = calibrate(2, cluster)
+                    if rate not in poll_costs:
+                        poll_costs[rate] = measure_poll_cost(cluster)
+            elif rate not in links:
                 links[rate] = (a.link_latency_us * 1e-6, 8.0 / rate_bits(rate))
         for rate, (alpha, beta) in sorted(links.items()):
-            print("link %s: alpha %.1f us, %.3g Gbit/s" % (rate, 1e6 * alpha, 8e-9 / beta))
+            cost = poll_costs.get(rate)
+            print("link %s: alpha %.1f us, %.3g Gbit/s%s" % (
+                rate, 1e6 * alpha, 8e-9 / beta, "" if cost is None else
+                "; polled sums cost the computing thread %.2f ns (fp32), %.2f ns (fp16) a byte"
+                % (1e9 * cost["fp32"], 1e9 * cost["fp16"])))
         rate = a.gemm_gflops * 1e9 if a.gemm_gflops else measure_gemm_rate()
-        print(cluster_report(records, links, rate, weight_grad_timer(), burst=Cluster.burst_bytes))
+        print(cluster_report(records, links, rate, weight_grad_timer(), burst=Cluster.burst_bytes,
+                             poll_costs=poll_costs))
         return 0
     shm = None
     if a.calibrate:
