@@ -114,6 +114,12 @@ def test_mean_file_with_float16_raw_data(tmp_path):
     path = tmp_path / "mean.binaryproto"
     path.write_bytes(bp.SerializeToString())
     np.testing.assert_array_equal(load_mean_file(str(path)), mean.astype(np.float32))
+    # a bad raw blob: one line naming the mean file
+    bp.raw_data = bp.raw_data[:-2]
+    path.write_bytes(bp.SerializeToString())
+    with pytest.raises(CaffeError) as e:
+        load_mean_file(str(path))
+    assert str(e.value).startswith("mean file %s: " % path) and "\n" not in str(e.value), str(e.value)
 
 
 SOLVER_NET = '''name: "tiny"

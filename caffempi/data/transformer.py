@@ -23,9 +23,9 @@ def load_mean_file(path):
     try:
         bp = proto_io.read_binary_proto(path, _blob_proto_cls())
         arr = np.asarray(proto_io.blob_proto_to_array(bp), np.float32)
-    except CaffeError:
-        raise
-    except Exception as e:  # ProtoError and friends
+    except Exception as e:  # ProtoError, a blob's bad values (CaffeError) and friends
+        if isinstance(e, CaffeError) and str(path) in str(e):
+            raise
         raise CaffeError("mean file %s: %s" % (path, e)) from None
     if arr.ndim == 4:
         if arr.shape[0] != 1:
