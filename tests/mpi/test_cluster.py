@@ -125,14 +125,19 @@ def test_the_hosts_are_torn_down_on_error_and_on_signals(how):
     code = ("import sys, time; from caffempi.testing.cluster import Cluster\n"
             "with Cluster(2, rate='100mbit', prefix=%r) as c:\n"
             "    print('up', flush=True)\n"
-            "    if sys.argv[1] == 'error': raise RuntimeError('boom')\n"
+            "    if sys.argv[1] == 'error':\n"
+            "        sys.stdin.readline()                 # the test has seen the hosts\n"
+            "        raise RuntimeError('boom')\n"
             "    time.sleep(60)\n" % prefix)
-    p = subprocess.Popen([sys.executable, "-c", code, str(how)], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, cwd=str(REPO))
+    p = subprocess.Popen([sys.executable, "-c", code, str(how)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True, cwd=str(REPO))
     try:
         assert p.stdout.readline().strip() == "up"
         assert len(_namespaces(prefix)) == 3            # two hosts and the bridge
-        if how != "error":
+        if how == "error":
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        else:
             p.send_signal(how)
         p.communicate(timeout=30)
     finally:
