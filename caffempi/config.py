@@ -13,6 +13,7 @@ docs/configuration.md lists them for users.
 | CAFFEMPI_CUDNN | cudnn | True | GPU convolutions with engine DEFAULT use cuDNN when it loads |
 | CAFFEMPI_CUDNN_DETERMINISTIC | cudnn_deterministic | False | cuDNN may pick only bit-reproducible algorithms |
 | CAFFEMPI_TF32 | tf32 | False | cuDNN convolutions may use TF32 tensor cores |
+| CAFFEMPI_FTZ | ftz | True | the computing threads flush denormal floats to zero (x86) |
 
 A value that cannot be read is a one-line CaffeError naming the variable
 (raised where the setting is first used, so the CLI reports it as any other
@@ -58,6 +59,7 @@ SETTINGS = {
     "cudnn": ("CAFFEMPI_CUDNN", _flag, True),
     "cudnn_deterministic": ("CAFFEMPI_CUDNN_DETERMINISTIC", _flag, False),
     "tf32": ("CAFFEMPI_TF32", _flag, False),
+    "ftz": ("CAFFEMPI_FTZ", _flag, True),
 }
 
 

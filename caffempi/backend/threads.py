@@ -30,6 +30,8 @@ import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
+from . import denormals
+
 _threads = None       # T, once BLAS has been set to one thread
 _pool = None          # (threads, executor) of the T-1 helper threads
 _region = threading.Lock()   # one parallel region at a time
@@ -40,8 +42,13 @@ _progress = None      # (thread ident, callable) of set_progress
 
 def thread_count():
     """T, the number of threads the kernels use.  On the first call it is
-    read from the BLAS library, which is then set to one thread."""
+    read from the BLAS library, which is then set to one thread.  Each
+    thread that calls it (every computing thread: the kernels and products
+    do) flushes denormals from then on (:mod:`.denormals`)."""
     global _threads
+    if not getattr(_local, "flushed", False):
+        _local.flushed = True
+        denormals.apply_here()
     if _threads is None:
         with _init_lock:
             if _threads is None:
@@ -82,7 +89,8 @@ def _executor(threads):
     if _pool is None or _pool[0] < threads:
         if _pool is not None:
             _pool[1].shutdown(wait=False)
-        _pool = (threads, ThreadPoolExecutor(threads - 1, thread_name_prefix="caffempi-op"))
+        _pool = (threads, ThreadPoolExecutor(threads - 1, thread_name_prefix="caffempi-op",
+                                                initializer=denormals.apply_here))
     return _pool[1]
 
 

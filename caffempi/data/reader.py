@@ -24,6 +24,7 @@ import time
 import weakref
 
 from .. import config
+from ..backend import denormals
 from ..common import CaffeError, log
 
 _POLL = 0.05
@@ -147,6 +148,7 @@ class BatchPrefetcher:
                 pass
 
     def _worker(self, stop, work):
+        denormals.apply_here()
         while not stop.is_set():
             try:
                 slot, payload = work.get(timeout=_POLL)

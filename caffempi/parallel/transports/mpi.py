@@ -8,7 +8,7 @@ then run while buckets are in flight, from another thread too.
 import queue
 import threading
 
-from ...backend import threads
+from ...backend import denormals, threads
 from ...common import CaffeError
 from .base import Transport, yield_core
 
@@ -131,6 +131,7 @@ class ThreadTransport(MPITransport):
             raise self._error
 
     def _run(self):
+        denormals.apply_here()      # MPI's sums run on this thread
         while True:
             item = self._queue.get()
             if item is None:
