@@ -276,12 +276,17 @@ def test_flagfile_and_log_dir(workdir):
 
 
 # ------------------------------------------------------ --ranks, --gpu lists
-def test_ranks_to_launch_without_and_under_a_launcher(monkeypatch):
-    from caffempi.config import using_config
-    from caffempi.parallel.launch import ranks_to_launch
+def unset_launcher_env(monkeypatch):
+    """As if started without mpiexec: no launcher's variables."""
     for var in ("PMI_SIZE", "PMI_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_RANK", "PMIX_RANK", "PMIX_SIZE",
                 "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_RANK", "MPI_LOCALNRANKS"):
         monkeypatch.delenv(var, raising=False)
+
+
+def test_ranks_to_launch_without_and_under_a_launcher(monkeypatch):
+    from caffempi.config import using_config
+    from caffempi.parallel.launch import ranks_to_launch
+    unset_launcher_env(monkeypatch)
     with using_config(mpi=None):
         assert [ranks_to_launch(r, g) for r, g in ((0, ""), (1, ""), (3, ""), (0, "0,1,2"), (0, "2"),
                                                    (2, "0,1,2,3"), (1, "0,1"))] == [0, 0, 3, 3, 0, 2, 0]
@@ -320,3 +325,46 @@ def test_ranks_relaunch_command_and_errors(monkeypatch, capsys):
     err = capsys.readouterr().err.splitlines()
     assert err[0].startswith("caffempi: error: 2 ranks need mpiexec: none beside ")
     assert err[1] == "caffempi: error: --ranks=2: 'time' runs on one process (--ranks is for train)"
+
+
+class FakeCupy:
+    """Just what --gpu needs of CuPy: a device count and Device(i).use()."""
+
+    def __init__(self, count):
+        import types
+        self.used = []
+        self.cuda = types.SimpleNamespace(
+            runtime=types.SimpleNamespace(getDeviceCount=lambda: count),
+            Device=lambda i: types.SimpleNamespace(use=lambda: self.used.append(i)))
+
+
+def test_gpu_all_launches_one_rank_per_device_and_each_rank_takes_its_own(monkeypatch):
+    """--gpu=all without a launcher: one rank per device of this host; under
+    the launcher each rank uses the GPU of its local rank (the list's entry,
+    round robin; a single id: every rank on it).  CuPy faked with 4 devices."""
+    import types
+    from caffempi import backend
+    from caffempi.cli import main, select_backend
+    from caffempi.config import using_config
+    from caffempi.parallel import launch
+    unset_launcher_env(monkeypatch)
+    cupy = FakeCupy(4)
+    monkeypatch.setattr(backend, "_cupy", cupy)
+    calls = []
+    monkeypatch.setattr(launch, "run_under_mpiexec", lambda n, cmd: calls.append((n, cmd)) or 0)
+    with using_config(mpi=None):
+        assert launch.ranks_to_launch(0, "all") == 4
+        assert main(["train", "--gpu=all", "--solver=s.prototxt"]) == 0
+    assert calls == [(4, [sys.executable, "-m", "caffempi", "train", "--gpu=all", "--solver=s.prototxt"])]
+
+    def devices(gpu, ranks):
+        cupy.used.clear()
+        for r in range(ranks):
+            world = types.SimpleNamespace(local_rank=lambda r=r: (r, ranks))
+            assert select_backend(types.SimpleNamespace(gpu=gpu), None, world) is cupy
+        return list(cupy.used)
+    assert devices("all", 4) == [0, 1, 2, 3]
+    assert devices("2,3", 3) == [2, 3, 2]
+    assert devices("1", 2) == [1, 1]
+    with pytest.raises(CaffeError, match=r"--gpu=0,7: no GPU 7 \(this host has 4\)"):
+        devices("0,7", 2)

@@ -159,6 +159,18 @@ def test_kwargs_routing_param_lists_include_and_enums():
                                                           caffe_pb2.EltwiseParameter.SUM,
                                                           caffe_pb2.EltwiseParameter.PROD)
 
+    # the explicit forms: python_param=dict(...), convolution_param=dict(...), as pycaffe scripts write them
+    explicit = caffe.to_proto(
+        L.Python(n.data, python_param=dict(module="mod", layer="Cls", param_str="p", share_in_parallel=True)),
+        L.Convolution(L.Reshape(n.data, shape=dict(dim=[2, 3, 1, 1])), param=[dict(lr_mult=3)], loss_weight=0.5,
+                      convolution_param=dict(num_output=5, kernel_size=1, weight_filler=dict(type="xavier"))))
+    epy, econv = (next(lp for lp in explicit.layer if lp.type == t) for t in ("Python", "Convolution"))
+    assert (epy.python_param.module, epy.python_param.layer, epy.python_param.param_str,
+            epy.python_param.share_in_parallel) == ("mod", "Cls", "p", True)
+    assert (econv.convolution_param.num_output, list(econv.convolution_param.kernel_size),
+            econv.convolution_param.weight_filler.type) == (5, [1], "xavier")
+    assert [p.lr_mult for p in econv.param] == [3] and list(econv.loss_weight) == [0.5]
+
     del n.tops["py"]                      # no such module: keep it out of the built nets
     train, test = caffe.Net(n.to_proto(), caffe.TRAIN), caffe.Net(n.to_proto(), caffe.TEST)
     assert "ip" in train.layer_dict and "ip" not in test.layer_dict

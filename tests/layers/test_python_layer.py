@@ -245,9 +245,11 @@ def test_parameters_train_save_load_and_share(pylayers, tmp_path):
 
 
 def test_phase(pylayers):
+    """The layer sees the net's phase (share_in_parallel, which has no
+    meaning here, is accepted)."""
     text = """name: 'pythonnet'
       layer { type: 'Python' name: 'layer' top: 'phase'
-        python_param { module: '%s' layer: 'PhaseLayer' } }""" % MODULE
+        python_param { module: '%s' layer: 'PhaseLayer' share_in_parallel: true } }""" % MODULE
     for phase in (TRAIN, TEST):
         assert Net(net_param(text), phase).forward()["phase"] == phase
 
