@@ -1,5 +1,6 @@
 """Layers that bring data into the net without reading files: Input and
 DummyData.  (Data, ImageData, HDF5Data and MemoryData live in data.py.)"""
+from ..filler import refill as refill_values
 from .base import Layer, register
 
 
@@ -75,7 +76,7 @@ class DummyDataLayer(Layer):
     def forward(self, bottom, top):
         for t, shape, f, refill in zip(top, self._shapes, self._fillers, self._refill):
             if refill:
-                t.data = self.fill(f, shape).data
+                t.data = self.xp.asarray(refill_values(f, shape, self.dtype))
 
     def backward(self, top, propagate_down, bottom):
         """No bottoms."""
