@@ -18,9 +18,11 @@ setup(
         "matplotlib>=3.7",
         "mpi4py>=4.0",
         "threadpoolctl>=3.1",
+        # BLAS's GEMM with beta = 1 (weight gradients accumulated in place)
+        "scipy>=1.11",
     ],
     extras_require={
-        "test": ["pytest>=8", "pytest-timeout>=2.2", "scipy>=1.11", "pydot>=1.4",
+        "test": ["pytest>=8", "pytest-timeout>=2.2", "pydot>=1.4",
                  "plyvel>=1.5; python_version < '3.13'"],
         "mpich": ["mpich>=4.2"],
         # CuPy's wheels are per CUDA major version

@@ -59,6 +59,15 @@ def matmul(xp, a, b):
     return cpu.matmul(a, b) if xp is np else a @ b
 
 
+def matmul_accumulate(xp, a, b, out):
+    """out += a @ b for 2-D operands and a C-contiguous ``out``: on the CPU
+    one GEMM with beta = 1 into ``out`` (:func:`caffempi.backend.cpu.matmul_accumulate`)."""
+    if xp is np:
+        return cpu.matmul_accumulate(a, b, out)
+    out += a @ b
+    return out
+
+
 def bias_grad(xp, dy):
     return _impl(xp, "bias_grad")(dy)
 
