@@ -42,6 +42,8 @@ def test_random_fillers_refill_with_their_distribution_and_constants_stay(small_
         g, u, c = step["g"], step["u"], step["c"]
         assert g.dtype == u.dtype == np.float32 and g.shape == (3, 70, 50, 40)
         assert abs(g.mean() - 2) < 0.02 and abs(g.std() - 3) < 0.02
+        z = np.abs(g - 2) / 3          # a normal's mass within 1, 2 and 3 sigma
+        assert [round(float(np.mean(z < k)), 3) for k in (1, 2, 3)] == pytest.approx([0.683, 0.954, 0.997], abs=0.003)
         assert u.min() >= -1 and u.max() < 5 and abs(u.mean() - 2) < 0.02 and abs(u.std() - np.sqrt(3)) < 0.01
         assert (c == 7).all()
     assert not np.array_equal(first["g"], second["g"]) and not np.array_equal(first["u"], second["u"])
