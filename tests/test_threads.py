@@ -42,7 +42,7 @@ def rand(shape, seed):
 # (input shape, weight shape, geom (kh, kw, sh, sw, ph, pw, dh, dw), group):
 # one per path of cpu.conv2d_forward / conv2d_backward
 CONV_CASES = {
-    "row taps, valid (LeNet conv2)": ((9, 4, 8, 8), (6, 4, 3, 3), (3, 3, 1, 1, 0, 0, 1, 1), 1),
+    "row taps, valid (LeNet conv2)": ((9, 12, 8, 8), (6, 12, 3, 3), (3, 3, 1, 1, 0, 0, 1, 1), 1),
     "one channel, im2col (LeNet conv1)": ((9, 1, 9, 9), (5, 1, 3, 3), (3, 3, 1, 1, 0, 0, 1, 1), 1),
     "padded same, dx as conv": ((9, 3, 8, 8), (4, 3, 3, 3), (3, 3, 1, 1, 1, 1, 1, 1), 1),
     "stride 2, col2im": ((9, 4, 9, 9), (6, 2, 3, 3), (3, 3, 2, 2, 1, 1, 1, 1), 2),

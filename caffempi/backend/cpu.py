@@ -39,7 +39,12 @@ _COL_CHUNK_BYTES = int(1.5 * (1 << 20))
 
 # Convolutions with vertical stride 1 and at least this many rows in a row
 # tap's product (C/group*kw) run as row-tap products (see _conv_row_taps).
-_ROW_TAP_MIN_K = 8
+# Measured forward ms at 1 thread with NumPy 2.4's OpenBLAS 0.3.31 (AMD
+# EPYC, 2026-11-25), row taps against the column matrix: C*kw 15 (CIFAR10-
+# quick conv1) 23.9 / 14.5, 9 (VGG conv1_1, batch 2) 23.5 / 10.7, 24 14.5 /
+# 11.9, 48 22.6 / 24.4, 160 (CIFAR10-quick conv2) 26.5 / 30.8, 480 (CaffeNet
+# conv2) 51.6 / 59.5; the bound was 8 with the OpenBLAS of the day it was set.
+_ROW_TAP_MIN_K = 32
 
 # The other forwards (few input rows, or vertical stride > 1) multiply one
 # column matrix per image, written straight to NCHW, when a product has at
