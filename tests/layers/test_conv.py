@@ -193,9 +193,8 @@ def test_large_batch_uses_chunks_consistently(text, conv_path):
 
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 def test_weight_gradient_with_4k_rows(dtype, conv_path):
-    # output planes of exactly 4 KiB take the padded-copy path for dy's
-    # transpose (cpu._unaliased) in the column path; dw must equal the plain
-    # correlation sum
+    # output planes of exactly 4 KiB (rows that alias in the L1 cache) in
+    # the column path; dw must equal the plain correlation sum
     from caffempi.backend import cpu
     h = 32 if dtype == np.float32 else 16      # 32x32 float32 or 16x32 float64 rows
     x = rand(3, 2, h, 32).astype(dtype)
