@@ -57,6 +57,19 @@ _ROW_TAP_MIN_K = 32
 # 7x7/2 conv1), 15% slower at 363 (AlexNet's conv1).
 _PER_IMAGE_MAX_K = 128
 
+# Small outputs with a long reduction (C/group*kh*kw at least _LONG_K and at
+# most _SMALL_P output pixels: the 13x13 and 7x7 3x3 convolutions of
+# CaffeNet and ResNet) also take the column matrix, one product per image,
+# for the forward, the weight gradient and the data gradient's convolution:
+# one product with the whole reduction rather than kh row-tap products of a
+# kh-th of it.  Forward + backward at 1 / 2 threads against row taps
+# (medians of 7 alternating pairs): CaffeNet conv3 (batch 8) 0.914 / 0.897,
+# conv4 0.939 / 0.893, conv5 0.979 / 0.945, ResNet-50's 7x7 stage 0.904 /
+# 0.787, its 14x14 stage 0.981 / 0.928; CIFAR10-quick's conv3 (800 rows,
+# 8x8) stays on row taps (1.129 / 1.091 by columns).
+_LONG_K = 1024
+_SMALL_P = 256
+
 _tls = threading.local()
 
 
@@ -265,12 +278,12 @@ def conv2d_forward(x, w, geom, group, bias=None):
         _each_chunk(_chunks(n, (c + o) * h * wd * x.itemsize), chunk)
         return y
     xpad = _pad(x, ph, pw)
-    if _by_row_taps(geom, c // g):
-        _conv_row_taps(xpad, w, geom, g, oh, ow, y, bias)
-        return y
     p = oh * ow
     k = c * kh * kw
-    per_image = k // g <= _PER_IMAGE_MAX_K
+    if _by_row_taps(geom, c // g, p):
+        _conv_row_taps(xpad, w, geom, g, oh, ow, y, bias)
+        return y
+    per_image = k // g <= _PER_IMAGE_MAX_K or _long_and_small(k // g, p)
 
     def chunk(a, m):
         col = im2col(xpad[a:a + m], geom, oh, ow, _work("col", k * m * p, x.dtype), per_image)
@@ -291,16 +304,22 @@ def conv2d_forward(x, w, geom, group, bias=None):
     return y
 
 
-def _by_row_taps(geom, cg):
+def _long_and_small(k, p):
+    """A product of ``k`` rows (C/group*kh*kw) for ``p`` output pixels that
+    runs best as one column-matrix product per image (see _LONG_K)."""
+    return k >= _LONG_K and p <= _SMALL_P
+
+
+def _by_row_taps(geom, cg, p):
     """Whether the forward and the weight gradient run by kernel rows
     (:func:`_conv_row_taps`, :func:`_conv_dw_row_taps`) rather than through
-    the full column matrix: vertical stride 1 and at least _ROW_TAP_MIN_K
-    rows (C/group*kw) per product.  Weight gradients with fewer rows, row
-    taps against the column matrix (ms, 1 thread, medians of 5 alternating
-    pairs): CIFAR10-quick conv1 29.0 / 19.7, VGG conv1_1 (batch 2) 18.3 /
-    11.7, 3 channels 3x3 8.5 / 7.2; with more, CIFAR10-quick conv2 35.8 /
-    48.3, CaffeNet conv3 (batch 32) 152 / 166."""
-    return geom[2] == 1 and cg * geom[1] >= _ROW_TAP_MIN_K
+    the full column matrix: vertical stride 1, at least _ROW_TAP_MIN_K rows
+    (C/group*kw) per product, and not :func:`_long_and_small` (``p``: output
+    pixels).  Weight gradients with fewer rows, row taps against the column
+    matrix (ms, 1 thread, medians of 5 alternating pairs): CIFAR10-quick
+    conv1 29.0 / 19.7, VGG conv1_1 (batch 2) 18.3 / 11.7, 3 channels 3x3 8.5
+    / 7.2; with more, CIFAR10-quick conv2 35.8 / 48.3."""
+    return geom[2] == 1 and cg * geom[1] >= _ROW_TAP_MIN_K and not _long_and_small(cg * geom[0] * geom[1], p)
 
 
 def _unfolded_chunks(xpad, geom, ow):
@@ -482,7 +501,7 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
     col_dx = need_dx and not dx_as_conv
     if not need_dw and not col_dx:
         return gx, gw
-    if need_dw and _by_row_taps(geom, cg):
+    if need_dw and _by_row_taps(geom, cg, oh * ow):
         gw = _conv_dw_row_taps(x, dy, geom, g, oh, ow)
         need_dw = False
         if not col_dx:

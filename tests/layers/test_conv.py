@@ -98,7 +98,7 @@ def conv_path(request, monkeypatch):
     from caffempi.backend import cpu
     row_taps = request.param.startswith("row_taps")
     monkeypatch.setattr(cpu, "_PER_IMAGE_MAX_K", 1 << 30 if request.param == "columns_per_image" else 0)
-    monkeypatch.setattr(cpu, "_by_row_taps", lambda geom, cg: row_taps and geom[2] == 1)
+    monkeypatch.setattr(cpu, "_by_row_taps", lambda geom, cg, p: row_taps and geom[2] == 1)
     monkeypatch.setattr(cpu, "_dw_per_image", lambda geom, cg, og, p: request.param == "row_taps_per_image")
     return request.param
 
