@@ -29,66 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-NETS = {
-    "lenet": ("LeNet", "models/mnist/lenet_train_test.prototxt", (1, 28, 28), 64),
-    "cifar": ("CIFAR10-quick", "models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32), 100),
-    "alexnet": ("AlexNet", "bvlc/models/bvlc_alexnet/train_val.prototxt", (3, 227, 227), 256),
-    "resnet50": ("ResNet-50", "resnet/ResNet-50-deploy.prototxt", (3, 224, 224), 32),
-}
-
-
-def net_param(key, zoo):
-    """The NetParameter to train: data layers replaced by Input layers of
-    the batch's shape; a deploy net gets a label input and a loss."""
-    from caffempi.io import proto_io
-    from caffempi.proto import caffe_pb2
-    from caffempi.timing import substitute_data_layers
-    _, path, shape, batch = NETS[key]
-    full = REPO / path if path.startswith("models/") else Path(zoo) / path
-    param = proto_io.read_net_param(str(full))
-    param = substitute_data_layers(param, shape, only_unreadable=False, warn=False, batch_size=batch)
-    if not any(lp.type.endswith("Loss") for lp in param.layer):
-        # deploy form: the input comes from input/input_shape (upgraded to an
-        # Input layer on read); set its batch, add labels and a loss
-        layers = list(param.layer)
-        layers[0].input_param.shape[0].dim[0] = batch
-        labels = caffe_pb2.LayerParameter(name="label", type="Input", top=["label"])
-        labels.input_param.shape.add().dim.append(batch)
-        if layers[-1].type == "Softmax":       # train on the logits
-            layers.pop()
-        loss = caffe_pb2.LayerParameter(name="loss", type="SoftmaxWithLoss",
-                                        bottom=[layers[-1].top[0], "label"], top=["loss"])
-        del param.layer[:]
-        param.layer.extend([layers[0], labels] + layers[1:] + [loss])
-        for lp in param.layer:
-            # deploy nets name no fillers (Caffe's default is 0) and normalise
-            # with stored statistics: train with msra weights and batch statistics
-            for p in (lp.convolution_param, lp.inner_product_param):
-                if lp.type in ("Convolution", "InnerProduct") and not p.HasField("weight_filler"):
-                    p.weight_filler.type = "msra"
-            if lp.type == "BatchNorm":
-                lp.batch_norm_param.use_global_stats = False
-    return param, batch
-
-
-def random_inputs(net, seed=0):
-    """Gaussian images and labels in range, as host arrays by top name."""
-    import numpy as np
-    rs = np.random.RandomState(seed)
-    out = {}
-    classes = None
-    for layer in net.layers:
-        if layer.type in ("InnerProduct", "Convolution") and getattr(layer, "num_output", None):
-            classes = layer.num_output          # the last one is the classifier
-    for layer, tops in zip(net.layers, net.top_vecs):
-        if layer.type != "Input":
-            continue
-        for name, top in zip(layer.param.top, tops):
-            if len(top.shape) == 1:
-                out[name] = rs.randint(0, classes or 2, top.shape).astype(np.float32)
-            else:
-                out[name] = rs.standard_normal(top.shape).astype(np.float32)
-    return out
+from bench_nets import NETS, net_param, random_inputs  # noqa: E402
 
 
 def sync_ours():

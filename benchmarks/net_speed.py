@@ -1,38 +1,58 @@
-"""Forward-backward time per net and per layer (CPU), like `caffe time`.
+"""CPU training speed: caffempi against BVLC Caffe and PyTorch, side by side.
 
-    python benchmarks/net_speed.py [--iterations 20] [--threads 1,2] [--memory reuse]
+    python benchmarks/net_speed.py [--nets lenet,cifar,caffenet:8,caffenet:32,resnet50:8]
+        [--threads 1,2] [--rounds 3] [--iterations N] [--caffe PATH] [--torch]
+        [--baseline DIR] [--layers] [--memory reuse] [--json FILE]
 
-``--memory`` is the activation memory mode (the trainer's default, reuse,
-unless told otherwise; see caffempi/memory.py).  The children get the glibc
-huge-page heap setting and the allocator tuning that the CLI gives itself
-(memory.hugepage_heap_env, memory.tune_allocator).
+Every framework times the same thing, forward + backward of the same net
+(benchmarks/bench_nets.py: models/ and ../shared/caffe-zoo, data layers
+replaced by DummyData drawing N(0, 1) images every forward, labels 0):
 
-Each thread count runs in a fresh process (BLAS reads its thread count at
-load).  Prints one table per net and thread count, plus a summary.
+* caffempi: ``caffempi.timing.time_net`` on the Net, in a child process
+  given the huge-page heap and allocator tuning that the CLI gives itself;
+* BVLC Caffe (``--caffe PATH``, built by benchmarks/build_caffe.sh):
+  ``caffe time -model`` on the same prototxt.  Debian's OpenBLAS 0.3.21
+  takes some virtual CPUs for a Prescott (20 instead of 134 GFLOP/s sgemm on
+  an AVX-512 Xeon), so its runs get ``OPENBLAS_CORETYPE`` for this CPU
+  (SkylakeX with AVX-512, Haswell with AVX2), printed in the header;
+* PyTorch (``--torch``): benchmarks/torch_net.py's module built from the
+  same Net and weights, a step being the images' N(0, 1) redraw, forward,
+  loss and backward into zeroed gradients;
+* an earlier caffempi (``--baseline DIR``: another checkout, e.g. ``git
+  worktree add DIR COMMIT``), timed as ours is, for before/after figures
+  taken in the same run.
 
-The summary also gives each net's GEMM bound: the multiply-adds of its
-convolution and inner-product products (forward, weight gradient, and data
-gradient where backward reaches the bottom) at the rate of a 1024^3 sgemm
-run as the kernels run it (cpu.matmul, on the kernels' threads)
-measured in the same process, just before the net is timed.  The host's
-speed drifts by +-20% between runs (other tenants), and the sgemm rate shows
-how fast it was during this one.  (The issue's bounds, 6.6 / 54.5 ms for
-LeNet / CIFAR10-quick, are these FLOP counts at 127.5 GFLOP/s, the AVX2 peak
-of a 4 GHz core, not a measured rate.)"""
+Each (framework, net, thread count) runs in its own process with
+``OPENBLAS_NUM_THREADS``/``OMP_NUM_THREADS`` (torch: set_num_threads) at
+the thread count.  A round runs every combination once, frameworks
+alternating inside each (net, threads); the table gives the median of the
+rounds and the ratio of ours to each reference (below 1: we are faster).
+The host is shared and its speed drifts by +-20% over minutes, so only the
+figures of one invocation compare.  Each net's GEMM bound is its products'
+FLOPs at the sgemm rate measured in our child just before it timed.
+"""
 import argparse
 import json
 import os
+import re
+import statistics
 import subprocess
 import sys
+import tempfile
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from caffempi.memory import hugepage_heap_env, tune_allocator  # noqa: E402
-NETS = [
-    ("LeNet", "models/mnist/lenet_train_test.prototxt", (1, 28, 28), 64),
-    ("CIFAR10-quick", "models/cifar10/cifar10_quick_train_test.prototxt", (3, 32, 32), 100),
-]
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from bench_nets import NETS, ZOO, net_param, random_inputs, with_dummy_data  # noqa: E402
+
+DEFAULT_NETS = "lenet,cifar,caffenet:8,caffenet:32,resnet50:8"
+# forward-backward passes timed per run, by net (after warm-up passes)
+DEFAULT_ITERATIONS = {"lenet": 50, "cifar": 20, "caffenet": 5, "alexnet": 3, "resnet50": 3}
+AVERAGE = re.compile(r"Average Forward-Backward: ([0-9.]+) ms")
+LAYER = re.compile(r"\]\s+(\S+)\s+(forward|backward): ([0-9.]+) ms")
 
 
 def gemm_flops(net):
@@ -54,7 +74,6 @@ def gemm_flops(net):
 
 def sgemm_rate(repeats=5):
     """FLOP/s of a 1024^3 float32 product on the kernels' threads, best of a few."""
-    import time
     import numpy as np
     from caffempi.backend import cpu
     a = np.random.default_rng(0).standard_normal((1024, 1024), dtype=np.float32)
@@ -66,61 +85,194 @@ def sgemm_rate(repeats=5):
     return 2 * 1024 ** 3 / best
 
 
-def measure(model, shape, batch, iterations, memory):
-    """Runs in the child: build the net with random input, time it."""
+def openblas_coretype():
+    """The OpenBLAS core type for this CPU: SkylakeX with AVX-512, Haswell
+    with AVX2 (AMD Zen included), else None (let OpenBLAS detect it)."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+    except (OSError, StopIteration):
+        return None
+    if "avx512f" in flags:
+        return "SkylakeX"
+    return "Haswell" if "avx2" in flags else None
+
+
+# ------------------------------------------------------------------ children
+def child_ours(prototxt, iterations, memory):
     from caffempi import Net, TRAIN
     from caffempi.io import proto_io
-    from caffempi.timing import randomize_inputs, substitute_data_layers, time_net
-    param = proto_io.read_net_param(str(REPO / model))
-    param = substitute_data_layers(param, shape, only_unreadable=False, warn=False, batch_size=batch)
+    from caffempi.memory import tune_allocator
+    from caffempi.timing import time_net
     tune_allocator()
-    net = Net(param, phase=TRAIN, memory=memory)
-    randomize_inputs(net)
-    for _ in range(3):  # warm-up
+    net = Net(proto_io.read_net_param(prototxt), phase=TRAIN, memory=memory)
+    for _ in range(2):  # warm-up
         net.forward_backward()
     rate = sgemm_rate()
     r = time_net(net, iterations, report=lambda *a: None, measure_memory=False)
-    r["sgemm_gflops"] = rate / 1e9
-    r["gemm_bound_ms"] = 1e3 * gemm_flops(net) / rate
-    return r
+    return {"ms": r["median_forward_backward_ms"], "layers": r["layers"], "sgemm_gflops": rate / 1e9,
+            "gemm_bound_ms": 1e3 * gemm_flops(net) / rate}
+
+
+def child_torch(key, batch, iterations, threads):
+    import numpy as np
+    import torch
+    import torch_net
+    from caffempi import Net, TRAIN
+    torch.set_num_threads(threads)
+    param, _ = net_param(key, batch=batch)
+    net = Net(param, phase=TRAIN, xp=np)
+    model = torch_net.build(net, torch).train()
+    inputs = {k: torch.from_numpy(v) for k, v in random_inputs(net).items()}
+    images = [k for k, v in inputs.items() if v.dim() > 1]
+    del net
+
+    def step():
+        for k in images:
+            inputs[k].normal_()
+        model.zero_grad(set_to_none=False)
+        model(inputs).backward()
+    for _ in range(2):
+        step()
+    times = []
+    for _ in range(iterations):
+        t = time.perf_counter()
+        step()
+        times.append(time.perf_counter() - t)
+    return {"ms": 1e3 * statistics.median(times), "version": torch.__version__}
+
+
+def run_caffe(caffe, prototxt, iterations, env):
+    p = subprocess.run([caffe, "time", "-model", prototxt, "-iterations", str(iterations)],
+                       env=env, capture_output=True, text=True)
+    log = p.stdout + p.stderr
+    found = AVERAGE.findall(log)
+    if p.returncode or not found:
+        raise RuntimeError("caffe time failed (exit %d): %s" % (p.returncode, log[-2000:]))
+    layers = {}
+    for name, direction, ms in LAYER.findall(log):
+        layers.setdefault(name, {})[direction] = float(ms)
+    return {"ms": float(found[-1]), "layers": [(n, d.get("forward", 0.0), d.get("backward", 0.0))
+                                               for n, d in layers.items()]}
+
+
+def run_child(args, env):
+    p = subprocess.run([sys.executable, __file__, "--child", json.dumps(args)], env=env,
+                       capture_output=True, text=True)
+    if p.returncode:
+        raise RuntimeError((p.stderr.strip().splitlines() or ["exit %d" % p.returncode])[-1])
+    return json.loads(p.stdout.strip().splitlines()[-1])
+
+
+# -------------------------------------------------------------------- parent
+def parse_nets(spec):
+    out = []
+    for item in spec.split(","):
+        key, _, batch = item.partition(":")
+        if key not in NETS:
+            sys.exit("unknown net '%s' (one of %s)" % (key, ", ".join(NETS)))
+        out.append((key, int(batch) if batch else NETS[key][3]))
+    return out
 
 
 def main():
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--iterations", type=int, default=20)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--nets", default=DEFAULT_NETS, help="key[:batch],... (%s)" % ", ".join(NETS))
     ap.add_argument("--threads", default="1,2")
-    ap.add_argument("--memory", default="reuse", help="none, reuse or recompute")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--iterations", type=int, help="passes timed per run (default: by net)")
+    ap.add_argument("--caffe", help="BVLC Caffe's caffe binary (benchmarks/build_caffe.sh)")
+    ap.add_argument("--torch", action="store_true", help="time PyTorch too (torch must import)")
+    ap.add_argument("--baseline", help="another caffempi checkout to time as 'baseline'")
+    ap.add_argument("--layers", action="store_true", help="print the per-layer tables of the last round")
+    ap.add_argument("--memory", default="reuse", help="caffempi's activation memory: none, reuse or recompute")
+    ap.add_argument("--zoo", default=str(ZOO))
+    ap.add_argument("--json", help="write every run here")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        name, model, shape, batch = json.loads(args.child)
-        print(json.dumps(measure(model, tuple(shape), batch, args.iterations, args.memory)))
-        return
-    summary = []
-    for threads in [int(t) for t in args.threads.split(",")]:
-        env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
-                   MKL_NUM_THREADS=str(threads))
-        env = hugepage_heap_env(env) or env      # the children run as the CLI does
-        for name, model, shape, batch in NETS:
-            out = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
-                                  "--memory", args.memory,
-                                  "--child", json.dumps([name, model, shape, batch])],
-                                 env=env, check=True, capture_output=True, text=True).stdout
-            r = json.loads(out.strip().splitlines()[-1])
-            print("\n%s, batch %d, %d thread(s), memory %s: forward %.2f ms, backward %.2f ms, total %.2f ms"
-                  % (name, batch, threads, args.memory, r["forward_ms"], r["backward_ms"], r["forward_backward_ms"]))
-            print("  %-14s %10s %10s" % ("layer", "fwd ms", "bwd ms"))
-            for layer, f, b in r["layers"]:
-                print("  %-14s %10.3f %10.3f" % (layer, f, b))
-            summary.append((name, batch, threads, r["forward_backward_ms"], r["median_forward_backward_ms"],
-                            r["gemm_bound_ms"], r["sgemm_gflops"]))
-    print("\nSummary (forward+backward ms per iteration, mean and median; GEMM bound at this run's sgemm rate)")
-    print("  %-14s %6s %8s %10s %10s %10s %8s %12s" % ("net", "batch", "threads", "ms", "median ms", "bound ms",
-                                                   "x bound", "sgemm GF/s"))
-    for name, batch, threads, ms, median, bound, rate in summary:
-        print("  %-14s %6d %8d %10.2f %10.2f %10.2f %8.2f %12.1f" % (name, batch, threads, ms, median, bound,
-                                                                 ms / bound, rate))
+        kind, *rest = json.loads(args.child)
+        if kind == "baseline":
+            sys.path.insert(0, rest.pop(0))        # its caffempi, not this checkout's
+        print(json.dumps(child_torch(*rest) if kind == "torch" else child_ours(*rest)))
+        return 0
+    nets = parse_nets(args.nets)
+    thread_counts = [int(t) for t in args.threads.split(",")]
+    if args.caffe and not os.access(args.caffe, os.X_OK):
+        sys.exit("no Caffe binary at %s (benchmarks/build_caffe.sh builds one)" % args.caffe)
+    if any(k not in ("lenet", "cifar") for k, _ in nets) and not Path(args.zoo).is_dir():
+        sys.exit("the zoo (%s) is absent" % args.zoo)
+    from caffempi.io import proto_io
+    from caffempi.memory import hugepage_heap_env
+    frameworks = (["caffempi"] + (["baseline"] if args.baseline else []) + (["caffe"] if args.caffe else [])
+                  + (["torch"] if args.torch else []))
+    coretype = openblas_coretype()
+    tmp = Path(tempfile.mkdtemp(prefix="net_speed-"))
+    prototxts = {}
+    for key, batch in nets:
+        param, _ = net_param(key, zoo=args.zoo, batch=batch)
+        prototxts[key, batch] = str(tmp / ("%s_%d.prototxt" % (key, batch)))
+        proto_io.write_text_proto_atomic(prototxts[key, batch], with_dummy_data(param))
+    print("caffempi against %s; %d round(s), medians; ms per forward+backward%s"
+          % (", ".join(frameworks[1:]) or "nothing", args.rounds,
+             "; Caffe's OpenBLAS with OPENBLAS_CORETYPE=%s" % coretype if args.caffe and coretype else ""))
+    runs = {}
+    for rnd in range(args.rounds):
+        for threads in thread_counts:
+            env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
+                       PYTHONPATH=os.pathsep.join([str(REPO), str(REPO / "benchmarks"),
+                                                   os.environ.get("PYTHONPATH", "")]))
+            ours_env = hugepage_heap_env(env) or env      # the children run as the CLI does
+            caffe_env = dict(env, OPENBLAS_CORETYPE=coretype) if coretype else env
+            for key, batch in nets:
+                iterations = args.iterations or DEFAULT_ITERATIONS[key]
+                order = frameworks if rnd % 2 == 0 else frameworks[::-1]
+                for fw in order:
+                    try:
+                        if fw == "caffempi":
+                            r = run_child(["ours", prototxts[key, batch], iterations, args.memory], ours_env)
+                        elif fw == "baseline":
+                            r = run_child(["baseline", str(Path(args.baseline).resolve()), prototxts[key, batch],
+                                           iterations, args.memory], ours_env)
+                        elif fw == "caffe":
+                            r = run_caffe(args.caffe, prototxts[key, batch], iterations, caffe_env)
+                        else:
+                            r = run_child(["torch", key, batch, iterations, threads], env)
+                    except RuntimeError as e:
+                        print("  %s %s:%d at %d thread(s) failed: %s" % (fw, key, batch, threads, e))
+                        continue
+                    runs.setdefault((key, batch, threads, fw), []).append(r)
+                    print("  round %d: %-9s %-9s batch %3d, %d thread(s): %9.2f ms"
+                          % (rnd + 1, fw, NETS[key][0], batch, threads, r["ms"]), flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"|".join(map(str, k)): v for k, v in runs.items()}, indent=1))
+    if args.layers:
+        for (key, batch, threads, fw), rs in sorted(runs.items()):
+            if fw == "torch" or not rs[-1].get("layers"):
+                continue
+            print("\n%s %s, batch %d, %d thread(s), last round: %.2f ms" % (fw, NETS[key][0], batch, threads,
+                                                                            rs[-1]["ms"]))
+            for layer, f, b in rs[-1]["layers"]:
+                print("  %-24s %10.3f %10.3f" % (layer, f, b))
+    median = {k: statistics.median(r["ms"] for r in rs) for k, rs in runs.items()}
+    head = "  %-14s %5s %7s %10s" % ("net", "batch", "threads", "caffempi")
+    for fw in frameworks[1:]:
+        head += " %10s %8s" % ({"baseline": "baseline", "caffe": "Caffe", "torch": "PyTorch"}[fw], "ours/it")
+    print("\nMedian ms per forward+backward (ours/it below 1: caffempi faster); GEMM bound at our child's sgemm rate")
+    print(head + " %10s %10s" % ("bound ms", "sgemm GF/s"))
+    for key, batch in nets:
+        for threads in thread_counts:
+            ours = median.get((key, batch, threads, "caffempi"))
+            line = "  %-14s %5d %7d %10s" % (NETS[key][0], batch, threads, "%.2f" % ours if ours else "-")
+            for fw in frameworks[1:]:
+                ref = median.get((key, batch, threads, fw))
+                line += " %10s %8s" % ("%.2f" % ref if ref else "-",
+                                       "%.3f" % (ours / ref) if ours and ref else "-")
+            last = runs.get((key, batch, threads, "caffempi"), [{}])[-1]
+            line += " %10s %10s" % ("%.1f" % last["gemm_bound_ms"] if last else "-",
+                                    "%.1f" % last["sgemm_gflops"] if last else "-")
+            print(line)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
