@@ -6,7 +6,9 @@ the same LMDBs, alternating run by run, at 1 and 2 BLAS threads.
         [--rounds 3] [--iterations 50] [--nets lenet,cifar]
 
 PATH is a BVLC Caffe `caffe` binary built for the CPU with OpenBLAS
-(benchmarks/build_caffe.sh builds one from BVLC's sources).  Both tools time
+(benchmarks/build_caffe.sh builds one from BVLC's sources); its runs get
+OPENBLAS_CORETYPE for this CPU (net_speed.openblas_coretype).  Without a
+Data layer, on more nets and against PyTorch too: benchmarks/net_speed.py.  Both tools time
 the TRAIN net layer by layer, data layer included, and print "Average
 Forward-Backward" per iteration; this prints the median and the best of the
 rounds for each, Caffe's median over ours, and both per-layer tables.  The LMDBs hold random images
@@ -27,6 +29,13 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+from net_speed import openblas_coretype  # noqa: E402
+
+# Debian's OpenBLAS 0.3.21 takes some virtual CPUs for a Prescott (20
+# instead of 134 GFLOP/s sgemm on an AVX-512 Xeon): Caffe's runs are told
+# the core type, and the header says which.
+CORETYPE = openblas_coretype()
 
 NETS = {
     "lenet": ("LeNet", "models/mnist/lenet_train_test.prototxt"),
@@ -55,6 +64,8 @@ def make_data(root):
 def run_time(command, root, threads):
     env = dict(os.environ, OPENBLAS_NUM_THREADS=str(threads), OMP_NUM_THREADS=str(threads),
                PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    if command[0] != sys.executable and CORETYPE:
+        env["OPENBLAS_CORETYPE"] = CORETYPE     # Caffe's (Debian's) OpenBLAS only
     p = subprocess.run(command, cwd=root, env=env, capture_output=True, text=True)
     log = p.stdout + p.stderr
     found = AVERAGE.findall(log)
@@ -104,8 +115,8 @@ def main():
                         layers[tool].append(per_layer)
                         print("  %-14s %d thread(s)  %-8s %8.2f ms" % (name, t, tool, times[tool][-1]), flush=True)
                 rows.append((name, t, times, layers))
-    print("\nForward-backward ms per iteration (`time`, TRAIN net with its data layer), %d rounds of %d iterations"
-          % (args.rounds, args.iterations))
+    print("\nForward-backward ms per iteration (`time`, TRAIN net with its data layer), %d rounds of %d iterations%s"
+          % (args.rounds, args.iterations, "; Caffe with OPENBLAS_CORETYPE=%s" % CORETYPE if CORETYPE else ""))
     print("  %-14s %7s %13s %13s %15s %15s %13s" % ("net", "threads", "Caffe median", "Caffe best",
                                                    "caffempi median", "caffempi best", "Caffe / ours"))
     for name, t, times, _ in rows:
