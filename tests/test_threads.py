@@ -17,6 +17,7 @@ def small_chunks(monkeypatch):
     """Chunks of a few images even for test-sized inputs, so that the
     kernels have several chunks to spread over threads."""
     monkeypatch.setattr(cpu, "_COL_CHUNK_BYTES", 2048)
+    monkeypatch.setattr(cpu, "_DW_CHUNK_BYTES", 2048)
 
 
 @pytest.fixture
@@ -50,6 +51,7 @@ CONV_CASES = {
     "dilated groups": ((9, 4, 9, 9), (6, 2, 3, 3), (3, 3, 1, 1, 0, 0, 2, 2), 2),
     "many outputs, images innermost dw": ((9, 8, 6, 6), (32, 8, 3, 3), (3, 3, 1, 1, 1, 1, 1, 1), 1),
     "pointwise": ((9, 6, 5, 5), (4, 3, 1, 1), (1, 1, 1, 1, 0, 0, 1, 1), 2),
+    "long reduction, small output: columns per image": ((9, 120, 5, 5), (8, 120, 3, 3), (3, 3, 1, 1, 1, 1, 1, 1), 1),
 }
 
 
@@ -67,7 +69,7 @@ def test_convolution_is_bitwise_the_same_on_any_thread_count(case, small_chunks,
         for a, o in zip(results[0], other):
             assert np.array_equal(a, o)
     # and the chunked result is the one of the whole batch at once
-    cpu._COL_CHUNK_BYTES = 1 << 30
+    cpu._COL_CHUNK_BYTES = cpu._DW_CHUNK_BYTES = 1 << 30
     whole = run()
     for a, o in zip(results[0], whole):
         np.testing.assert_allclose(a, o, rtol=1e-4, atol=1e-4)

@@ -70,6 +70,17 @@ _PER_IMAGE_MAX_K = 128
 _LONG_K = 1024
 _SMALL_P = 256
 
+# Their weight gradients through the column matrix take chunks of images up
+# to this size: each chunk's (O, C/group*kh*kw) product is folded into the
+# sum, and with 1.5 MB chunks (one 13x13 image of CaffeNet's conv3) those
+# folds were a large part of the time.  4 against 1.5 MB, weight gradient at
+# 1 / 2 threads (medians of 7 alternating pairs): ResNet-50's 7x7 3x3 conv
+# (batch 8) 0.690 / 0.564, CaffeNet conv3 (8) 0.925 / 0.945, (32) 0.916 /
+# 0.948, ResNet-50's 14x14 0.962 / 0.979, strided 28->14 0.950 / 0.970,
+# CaffeNet conv4-5 0.985-1.014; short reductions lose (CIFAR10-quick conv1
+# 1.13 / 1.15) and keep 1.5 MB.
+_DW_CHUNK_BYTES = 4 << 20
+
 _tls = threading.local()
 
 
@@ -107,11 +118,12 @@ def images_per_chunk(n, per_image_bytes, limit):
     return int(max(1, min(n, limit // max(per_image_bytes, 1))))
 
 
-def _chunks(n, per_image_bytes):
+def _chunks(n, per_image_bytes, limit=None):
     """(a, m) for chunks of m images from image a, equal in size, each under
-    _COL_CHUNK_BYTES (per image) as :func:`images_per_chunk`; they run on the
-    intra-op threads (:func:`_each_chunk`)."""
-    count = -(-n // images_per_chunk(n, per_image_bytes, _COL_CHUNK_BYTES))
+    ``limit`` (default _COL_CHUNK_BYTES; per image) as
+    :func:`images_per_chunk`; they run on the intra-op threads
+    (:func:`_each_chunk`)."""
+    count = -(-n // images_per_chunk(n, per_image_bytes, limit or _COL_CHUNK_BYTES))
     nb = -(-n // count)
     return [(a, min(nb, n - a)) for a in range(0, n, nb)]
 
@@ -554,7 +566,9 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
         if need_dw:
             col = im2col(xpad[a:a + m], geom, oh, ow, _work("col", k * m * p, dtype)).reshape(g, k // g, m * p)
             return np.matmul(dyo, col.transpose(0, 2, 1))
-    _each_chunk(_chunks(n, k * p * dtype.itemsize), chunk, gwg.__iadd__ if need_dw else None)
+    # a long-and-small weight gradient alone takes chunks of _DW_CHUNK_BYTES
+    limit = _DW_CHUNK_BYTES if need_dw and not col_dx and _long_and_small(k // g, p) else None
+    _each_chunk(_chunks(n, k * p * dtype.itemsize, limit), chunk, gwg.__iadd__ if need_dw else None)
     if need_dw:
         gw = gwg.reshape(w.shape)
     if col_dx and not unit:
