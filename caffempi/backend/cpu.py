@@ -139,6 +139,13 @@ def _each_chunk(chunks, body, fold=None):
 _SPLIT_MIN_MACS = 1 << 20
 
 
+def _blocks(size, t, unit=32):
+    """(start, length) of up to ``t`` blocks of ``size`` rows (or columns),
+    cut at multiples of ``unit``."""
+    step = -(-(-(-size // t)) // unit) * unit
+    return [(i, min(step, size - i)) for i in range(0, size, step)]
+
+
 def matmul(a, b):
     """a (M, K) @ b (K, N), split into one block of output rows (columns
     where M < 64) per intra-op thread, at multiples of 32 rows (128 columns).
@@ -155,13 +162,9 @@ def matmul(a, b):
     if t == 1 or m * n * k < _SPLIT_MIN_MACS or (m < 64 and n < 256):
         return np.matmul(a, b, out=out)
     if m >= 64:
-        step = -(-(-(-m // t)) // 32) * 32
-        blocks = [(i, min(step, m - i)) for i in range(0, m, step)]
-        _each_chunk(blocks, lambda i, r: np.matmul(a[i:i + r], b, out=out[i:i + r]))
+        _each_chunk(_blocks(m, t), lambda i, r: np.matmul(a[i:i + r], b, out=out[i:i + r]))
     else:
-        step = -(-(-(-n // t)) // 128) * 128
-        blocks = [(j, min(step, n - j)) for j in range(0, n, step)]
-        _each_chunk(blocks, lambda j, r: np.matmul(a, b[:, j:j + r], out=out[:, j:j + r]))
+        _each_chunk(_blocks(n, t, 128), lambda j, r: np.matmul(a, b[:, j:j + r], out=out[:, j:j + r]))
     return out
 
 
@@ -187,18 +190,17 @@ def matmul_accumulate(a, b, out):
         out += matmul(a, b)
         return out
     m, n = out.shape
+    bt, trans_b = _fortran_operand(b)
 
     def rows(i, r):
         # column-major view: out[i:i+r]^T += b^T @ a[i:i+r]^T
-        bt, trans_b = _fortran_operand(b)
         at, trans_a = _fortran_operand(a[i:i + r])
         gemm(1.0, bt, at, beta=1.0, c=out[i:i + r].T, trans_a=trans_b, trans_b=trans_a, overwrite_c=1)
     t = threads.thread_count()
     if t == 1 or m * n * a.shape[1] < _SPLIT_MIN_MACS or m < 64:
         rows(0, m)
-        return out
-    step = -(-(-(-m // t)) // 32) * 32
-    _each_chunk([(i, min(step, m - i)) for i in range(0, m, step)], rows)
+    else:
+        _each_chunk(_blocks(m, t), rows)
     return out
 
 

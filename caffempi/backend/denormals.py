@@ -8,11 +8,12 @@ ran 20-45x slower.  Setting MXCSR's FTZ (results that would be denormal are
 1.2e-38, far under float32's precision of any weight or gradient.
 
 MXCSR is per thread.  :func:`apply_here` sets it in the calling thread when
-:attr:`caffempi.config.settings.ftz` is on (``CAFFEMPI_FTZ``, default 1);
-the kernel threads (:mod:`.threads`) call it when they start, as does the
-first computing thread, and threads created afterwards inherit it.  BLAS runs
-on those threads (it is kept at one thread of its own), so its products are
-covered too.
+:attr:`caffempi.config.settings.ftz` is on (``CAFFEMPI_FTZ``, default 1):
+every thread that computes calls it once, from
+:func:`.threads.thread_count` (the kernels and products ask it first), the
+kernel pool's initializer, the communication thread and the data workers.
+BLAS runs on those threads (it is kept at one thread of its own), so its
+products are covered too.
 
 The register is read and written through glibc's ``fegetmode``/``fesetmode``
 (ISO C's ``femode_t`` holds MXCSR on x86-64), called with ctypes: no compiled
