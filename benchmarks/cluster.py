@@ -34,7 +34,8 @@ from caffempi.testing.cluster import Cluster, unavailable_reason  # noqa: E402
 
 # mode: (--comm, --sfb, --comm_dtype)
 MODES = {"blocking": ("blocking", "off", "fp32"), "overlap": ("overlap", "off", "fp32"),
-         "default": ("auto", "auto", "fp32"), "fp16": ("auto", "auto", "fp16")}
+         "default": ("auto", "auto", "fp32"), "fp16": ("auto", "auto", "fp16"),
+         "fp16_polled": ("overlap", "auto", "fp16")}
 
 
 def run_paired(cluster, a, net, mode):

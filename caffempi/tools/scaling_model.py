@@ -128,17 +128,21 @@ def link_schedule(items, beta, burst=0.0, idle_before=0.0):
 
 def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0,
             factors=(), gemm_rate=100e9, bytes_per_value=4, burst=0.0, weight_grad_seconds=None,
-            poll_seconds_per_byte=0.0):
+            comm_cpu_seconds_per_byte=0.0, sum_link=None):
     """Step seconds and exposed seconds for n ranks; ``jitter`` is the
     per-rank independent step-time sigma in seconds (the straggler term);
     ``factors``: the indices of the layers using sufficient factors (their
     layer records carry ``factors``: (M, N, K)); ``bytes_per_value``: 2 for
-    --comm_dtype=fp16; ``burst``: the link's token bucket (link_schedule);
+    --comm_dtype=fp16 (factors and, unless ``sum_link`` is given, buckets);
+    ``burst``: the link's token bucket (link_schedule);
     ``weight_grad_seconds(rows, M, N, accumulate)``: the measured time of a
     factor layer's weight gradient (sfb.measure_weight_grad_seconds), else
-    its FLOPs at ``gemm_rate``; ``poll_seconds_per_byte``: what a polled
+    its FLOPs at ``gemm_rate``; ``comm_cpu_seconds_per_byte``: what the
     transport's work costs the computing thread per byte of gradient summed
-    (measure_poll_cost), added to the step."""
+    (measure_comm_cost: polls, or a communication thread's share of the
+    cores), added to the step; ``sum_link``: (alpha, beta per float32 byte)
+    of the bucket sums where they are not a plain ring on the link (the
+    float16 transport, conversions included: calibrate)."""
     if weight_grad_seconds is None:
         def weight_grad_seconds(rows, m, k, accumulate):
             return 2.0 * rows * m * k / gemm_rate
@@ -157,11 +161,12 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
             gemm += weight_grad_seconds(n * m, nn, k, False)
         layers.append(L)
     bwd = sum(L["backward_ms"] for L in layers) / 1e3
-    other += poll_seconds_per_byte * sum(L["params"] for L in layers) * 4
-    scale = bytes_per_value / 4.0                            # bytes sent per float32 byte of gradient
+    other += comm_cpu_seconds_per_byte * sum(L["params"] for L in layers) * 4
+    # the link's bytes (or their time's equivalent) per float32 byte of gradient
+    sum_alpha, scale = (alpha, bytes_per_value / 4.0) if sum_link is None else (sum_link[0], sum_link[1] / beta)
 
     def ring(ready, nbytes):
-        return (ready, 2 * (n - 1) * alpha, 2.0 * (n - 1) / n * nbytes * scale, False)
+        return (ready, 2 * (n - 1) * sum_alpha, 2.0 * (n - 1) / n * nbytes * scale, False)
 
     def gather(ready, nbytes):
         return (ready, (n - 1) * alpha, (n - 1) * nbytes, True)
@@ -190,33 +195,55 @@ def single_step(profile):
 
 # ------------------------------------------------------------ calibration
 def _allreduce_worker(out):
-    from mpi4py import MPI
-    comm = MPI.COMM_WORLD
-    res = []
+    """One rank of calibrate: MPI_Allreduce of 256 B .. 16 MB ("points"),
+    and the same buffers through --comm_dtype=fp16's transport as
+    --comm=auto takes it across hosts ("fp16_points": seconds by float32
+    bytes; needs MPI_THREAD_MULTIPLE, else skipped)."""
+    from ..parallel.comm import get_world
+    from ..parallel.transports import make_transport
+    world = get_world("thread")
+    MPI, comm = world.MPI, world.comm
+    fp16 = make_transport(world, "auto", np, 0, "fp16") if world.thread_level >= MPI.THREAD_MULTIPLE else None
+    res = {"points": [], "fp16_points": []}
     for k in range(8, 25, 2):                     # 256 B .. 16 MB
         buf = np.ones(2 ** k // 4, np.float32)
         reps = 50 if k < 20 else 20
-        comm.Allreduce(MPI.IN_PLACE, buf)
-        ts = []
-        for _ in range(reps):
-            comm.Barrier()
-            t = time.perf_counter()
-            comm.Allreduce(MPI.IN_PLACE, buf)
-            ts.append(time.perf_counter() - t)
-        res.append((buf.nbytes, float(np.median(ts))))
+        for key, allreduce in (("points", lambda: comm.Allreduce(MPI.IN_PLACE, buf)),
+                               ("fp16_points", fp16 and (lambda: fp16.allreduce(buf)))):
+            if allreduce is None:
+                continue
+            allreduce()
+            ts = []
+            for _ in range(reps):
+                comm.Barrier()
+                t = time.perf_counter()
+                allreduce()
+                ts.append(time.perf_counter() - t)
+            res[key].append((buf.nbytes, float(np.median(ts))))
+    if fp16 is not None:
+        fp16.close()
     if comm.rank == 0:
         with open(out, "w") as f:
-            json.dump({"size": comm.size, "points": res}, f)
+            json.dump(dict(res, size=comm.size), f)
 
 
-def _poll_cost_worker(out):
-    """One rank of measure_poll_cost: a loop of small GEMMs standing in for
-    backward, polling the transport between products as backward's kernels
-    do, timed alone and while a polled sum of a 16 MB buffer crosses the
-    link (the loop lasts twice a blocking sum, so the sum ends inside it)."""
+# benchmarks/cluster.py's overlapped modes: the transport (--comm,
+# --comm_dtype) whose work takes time from the computing thread
+COMM_COST_MODES = {"overlap": ("overlap", "fp32"), "fp16_polled": ("overlap", "fp16"),
+                   "default": ("thread", "fp32"), "fp16": ("thread", "fp16")}
+
+
+def _comm_cost_worker(arg):
+    """One rank of measure_comm_cost; ``arg`` is "COMM:OUT": the modes of
+    COMM_COST_MODES whose --comm is COMM (the thread level is the job's).
+    A loop of small GEMMs standing in for backward, polling the transport
+    between products as backward's kernels do, timed alone and while a sum
+    of a 16 MB buffer crosses the link (the loop lasts twice a blocking sum,
+    so the sum ends inside it)."""
     from ..parallel.comm import get_world
     from ..parallel.transports import make_transport
-    world = get_world("overlap")
+    comm, out = arg.split(":", 1)
+    world = get_world(comm)
     a, b = np.ones((64, 1024), np.float32), np.ones((1024, 1024), np.float32)
     nbytes = 16 * 2 ** 20
     buf = np.ones(nbytes // 4, np.float32)
@@ -230,8 +257,10 @@ def _poll_cost_worker(out):
 
     per_call = loop(lambda: None, 50) / 50
     result = {}
-    for dtype in ("fp32", "fp16"):
-        transport = make_transport(world, "overlap", np, nbytes, dtype)
+    for mode, (mode_comm, dtype) in COMM_COST_MODES.items():
+        if mode_comm != comm:
+            continue
+        transport = make_transport(world, comm, np, nbytes, dtype)
         world.barrier()
         t = time.perf_counter()
         transport.allreduce(buf)
@@ -247,20 +276,20 @@ def _poll_cost_worker(out):
             transport.backward_end()
             transport.wait(handle)
             extra.append(polled - alone)
-        result[dtype] = max(0.0, float(np.median(extra))) / nbytes    # below 0: noise
+        result[mode] = max(0.0, float(np.median(extra))) / nbytes    # below 0: noise
         transport.close()
     if world.rank == 0:
         with open(out, "w") as f:
             json.dump(result, f)
 
 
-def _run_worker(flag, n, cluster):
-    """Run this module's ``--<flag>`` worker on n local ranks or on the hosts
-    of an emulated cluster; returns the JSON it wrote."""
+def _run_worker(flag, n, cluster, prefix=""):
+    """Run this module's ``--<flag>=<prefix><json file>`` worker on n local
+    ranks or on the hosts of an emulated cluster; returns the JSON it wrote."""
     out = tempfile.mktemp(suffix=".json")
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1")
     env["PYTHONPATH"] = str(Path(__file__).resolve().parents[2]) + os.pathsep + env.get("PYTHONPATH", "")
-    worker = [sys.executable, "-m", "caffempi.tools.scaling_model", "--%s=%s" % (flag, out)]
+    worker = [sys.executable, "-m", "caffempi.tools.scaling_model", "--%s=%s%s" % (flag, prefix, out)]
     if cluster is not None:
         p = cluster.mpiexec(worker, env=env, timeout=600)
         if p.returncode:
@@ -275,18 +304,25 @@ def _run_worker(flag, n, cluster):
     return data
 
 
-def measure_poll_cost(cluster):
-    """Seconds the computing thread spends per byte of gradient summed by
-    the polled transports (``--comm=overlap``: fp32; ``--comm_dtype=fp16``)
-    on the emulated ``cluster``'s link: {"fp32": s, "fp16": s}."""
-    return _run_worker("poll_cost_worker", 2, cluster)
+def measure_comm_cost(cluster):
+    """Seconds the computing thread loses per byte of gradient summed in each
+    of COMM_COST_MODES on the emulated ``cluster``'s link: {mode: s}."""
+    costs = {}
+    for comm in sorted({c for c, _ in COMM_COST_MODES.values()}):
+        costs.update(_run_worker("comm_cost_worker", 2, cluster, comm + ":"))
+    return costs
 
 
 def calibrate(n=2, cluster=None):
     """Measure Allreduce on n local ranks (shared memory), or on the hosts of
-    an emulated ``cluster`` (caffempi.testing.cluster), and fit alpha, beta."""
+    an emulated ``cluster`` (caffempi.testing.cluster), and fit alpha, beta;
+    returns ((alpha, beta), (alpha, beta) of the float16 transport's sums
+    per float32 byte or None, the measurements)."""
     data = _run_worker("allreduce_worker", n, cluster)
-    return fit(data["points"], data["size"], cluster.burst_bytes if cluster is not None and cluster.rate else 0.0), data
+    burst = cluster.burst_bytes if cluster is not None and cluster.rate else 0.0
+    # a float16 sum sends half the bytes: the bucket lets twice the float32 bytes through
+    fp16 = fit(data["fp16_points"], data["size"], 2 * burst) if data["fp16_points"] else None
+    return fit(data["points"], data["size"], burst), fp16, data
 
 
 def fit(points, n, burst=0.0):
@@ -377,22 +413,19 @@ def factor_choice(profile, n, alpha, beta, gemm_rate):
     return {L["index"] for L, p in zip(cands, plan) if p[0]}
 
 
-# benchmarks/cluster.py's modes whose sums are polled by the computing
-# thread (--comm=overlap, and --comm_dtype=fp16's chained float16 sums)
-POLLED_MODES = {"overlap": "fp32", "fp16": "fp16"}
 
-
-def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.0, poll_costs=None,
-                   hosts=(16, 64)):
+def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.0, comm_costs=None,
+                   fp16_links=None, hosts=(16, 64)):
     """Predicted against measured 2-host figures (benchmarks/cluster.py
     --json), then each net's predicted efficiency on more hosts.  Each 2-host
     prediction: the independent pair's per-layer profile of the same run, the
-    link's alpha, beta and token bucket (``burst``), the factor layers'
-    measured weight-gradient times, the polled transports' cost to the
-    computing thread (``poll_costs``: rate -> {"fp32": s, "fp16": s} per
-    byte, measure_poll_cost), and the straggler term with sigma from the
-    skew of the *other* 2-host runs of the same net (so no run's own wait
-    predicts it)."""
+    link's alpha, beta and token bucket (``burst``), the float16 transport's
+    sums (``fp16_links``: rate -> (alpha, beta per float32 byte), calibrate),
+    the factor layers' measured weight-gradient times, the transports' cost
+    to the computing thread (``comm_costs``: rate -> {mode: s per byte},
+    measure_comm_cost), and the straggler term with sigma from the skew of
+    the *other* 2-host runs of the same net (so no run's own wait predicts
+    it)."""
     lines = ["2 emulated hosts: predicted from the independent pair's profile (run alongside), against "
              "the measurement (GEMM %.0f GFLOP/s)" % (gemm_rate / 1e9),
              "%-14s %-7s %-9s %10s %10s %8s %9s %9s" % ("net", "rate", "mode", "pred. ms", "meas. ms", "error",
@@ -409,12 +442,12 @@ def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.
         others = [np.mean([x["skew_ms"] for x in o["runs"]]) for o in measured
                   if o["net"] == r["net"] and o is not r]
         jitter = jitter_from_skew(float(np.mean(others))) / 1e3 if others else 0.0
-        polled = POLLED_MODES.get(r["mode"])
-        poll_cost = (poll_costs or {}).get(r["rate"], {}).get(polled, 0.0) if polled else 0.0
+        fp16 = r["mode"].startswith("fp16")
         step = predict(profile, 2, alpha, beta, "blocking" if r["mode"] == "blocking" else "overlap",
-                       jitter=jitter, factors=used, gemm_rate=gemm_rate,
-                       bytes_per_value=2 if r["mode"] == "fp16" else 4, burst=burst,
-                       weight_grad_seconds=weight_grad_seconds, poll_seconds_per_byte=poll_cost)[0]
+                       jitter=jitter, factors=used, gemm_rate=gemm_rate, bytes_per_value=2 if fp16 else 4,
+                       burst=burst, weight_grad_seconds=weight_grad_seconds,
+                       comm_cpu_seconds_per_byte=(comm_costs or {}).get(r["rate"], {}).get(r["mode"], 0.0),
+                       sum_link=(fp16_links or {}).get(r["rate"]) if fp16 else None)[0]
         meas = r["step_ms"] / 1e3
         within.append(abs(step - meas) <= 0.1 * meas)
         lines.append("%-14s %-7s %-9s %10.1f %10.1f %+7.1f%% %9.3f %9.3f" % (
@@ -473,8 +506,8 @@ def weight_grad_timer():
 FLAGS = FlagSet("scaling_model", __doc__.strip())
 FLAGS.define("allreduce_worker", "", "Internal: run as one rank of --calibrate's measurement, writing JSON to "
              "this file.")
-FLAGS.define("poll_cost_worker", "", "Internal: run as one rank of --calibrate_links' polling-cost "
-             "measurement, writing JSON to this file.")
+FLAGS.define("comm_cost_worker", "", "Internal: run as one rank of --calibrate_links' measurement of the "
+             "transports' cost to the computing thread, COMM:JSON_FILE.")
 FLAGS.define("bench", "", "JSON of benchmarks/scaling.py --json")
 FLAGS.define("calibrate", False, "measure shared-memory alpha/beta on 2 ranks")
 FLAGS.define("alpha_us", None, "shared-memory alpha (skip --calibrate)", kind=float)
@@ -490,50 +523,56 @@ FLAGS.define("calibrate_links", False, "with --cluster_bench: measure alpha/beta
              "rate (root); else beta from the rate and --link_latency_us")
 FLAGS.define("link_latency_us", 50.0, "the link latency assumed without --calibrate_links")
 FLAGS.define("link", [], "with --cluster_bench: links measured before (by --calibrate_links), "
-             "RATE:ALPHA_US:GBITS each, e.g. 1gbit:25.3:0.95")
-FLAGS.define("poll_cost", [], "with --cluster_bench: polling costs measured before (by --calibrate_links), "
-             "RATE:FP32_NS:FP16_NS each (ns of compute per byte of gradient summed)")
+             "RATE:ALPHA_US:GBITS each, e.g. 1gbit:25.3:0.95, or RATE:ALPHA_US:GBITS:FP16_ALPHA_US:FP16_GBITS "
+             "with the float16 transport's sums (Gbit/s of float32 gradient)")
+FLAGS.define("comm_cost", [], "with --cluster_bench: the transports' costs measured before (by "
+             "--calibrate_links), RATE:MODE=NS,MODE=NS,... (ns of compute lost per byte of gradient summed)")
 FLAGS.define("gemm_gflops", 0.0, "the GEMM rate (0: measured here, 1 thread)")
 
 
 def _main(a):
     if a.allreduce_worker:
         return _allreduce_worker(a.allreduce_worker)
-    if a.poll_cost_worker:
-        return _poll_cost_worker(a.poll_cost_worker)
+    if a.comm_cost_worker:
+        return _comm_cost_worker(a.comm_cost_worker)
     if a.cluster_bench:
         with open(a.cluster_bench) as f:
             records = json.load(f)
         from ..testing.cluster import Cluster
-        links, poll_costs = {}, {}
+        links, fp16_links, comm_costs = {}, {}, {}
         for given in a.link:
-            rate, alpha_us, gbits = given.split(":")
-            links[rate] = (float(alpha_us) * 1e-6, 8e-9 / float(gbits))
-        for given in a.poll_cost:
-            rate, fp32_ns, fp16_ns = given.split(":")
-            poll_costs[rate] = {"fp32": float(fp32_ns) * 1e-9, "fp16": float(fp16_ns) * 1e-9}
+            rate, *fields = given.split(":")
+            values = [float(v) for v in fields]
+            links[rate] = (values[0] * 1e-6, 8e-9 / values[1])
+            if len(values) == 4:
+                fp16_links[rate] = (values[2] * 1e-6, 8e-9 / values[3])
+        for given in a.comm_cost:
+            rate, costs = given.split(":", 1)
+            comm_costs[rate] = {mode: float(ns) * 1e-9 for mode, ns in (c.split("=") for c in costs.split(","))}
         for rate in sorted({r["rate"] for r in records if r["rate"]}):
-            if a.calibrate_links and (rate not in links or rate not in poll_costs):
+            if a.calibrate_links and (rate not in links or rate not in comm_costs):
                 with Cluster(2, rate) as cluster:
                     if rate not in links:
-                        links[rate], _ = calibrate(2, cluster)
-                    if rate not in poll_costs:
-                        poll_costs[rate] = measure_poll_cost(cluster)
+                        links[rate], fp16_links[rate], _ = calibrate(2, cluster)
+                    if rate not in comm_costs:
+                        comm_costs[rate] = measure_comm_cost(cluster)
             elif rate not in links:
                 links[rate] = (a.link_latency_us * 1e-6, 8.0 / rate_bits(rate))
         for rate, (alpha, beta) in sorted(links.items()):
-            cost = poll_costs.get(rate)
-            print("link %s: alpha %.1f us, %.3g Gbit/s%s" % (
-                rate, 1e6 * alpha, 8e-9 / beta, "" if cost is None else
-                "; polled sums cost the computing thread %.2f ns (fp32), %.2f ns (fp16) a byte"
-                % (1e9 * cost["fp32"], 1e9 * cost["fp16"])))
+            fp16 = fp16_links.get(rate)
+            print("link %s: alpha %.1f us, %.3g Gbit/s%s%s" % (
+                rate, 1e6 * alpha, 8e-9 / beta,
+                "" if fp16 is None else "; float16 sums: alpha %.1f us, %.3g Gbit/s of float32 gradient"
+                % (1e6 * fp16[0], 8e-9 / fp16[1]),
+                "".join("; %s costs the computing thread %.2f ns a byte" % (mode, 1e9 * cost)
+                        for mode, cost in sorted(comm_costs.get(rate, {}).items()))))
         rate = a.gemm_gflops * 1e9 if a.gemm_gflops else measure_gemm_rate()
         print(cluster_report(records, links, rate, weight_grad_timer(), burst=Cluster.burst_bytes,
-                             poll_costs=poll_costs))
+                             comm_costs=comm_costs, fp16_links=fp16_links))
         return 0
     shm = None
     if a.calibrate:
-        (alpha, beta), data = calibrate(2)
+        (alpha, beta), _, data = calibrate(2)
         shm = (alpha, beta)
         print("shared-memory allreduce on 2 ranks (measured):")
         for b, t in data["points"]:

@@ -63,20 +63,23 @@ def test_two_hosts_over_tcp_train_as_one_process(cluster, data_dir, one_process,
     assert p.stderr.count(": sufficient factors") == (3 if sfb == "on" else 0)
 
 
-@pytest.mark.parametrize("ppn,transport", [(1, "mpi-host-thread"), (2, "hierarchical")])
-def test_comm_auto_across_hosts(cluster, data_dir, one_process, ppn, transport):
+@pytest.mark.parametrize("ppn,dtype,transport", [(1, "fp32", "mpi-host-thread"), (2, "fp32", "hierarchical"),
+                                                 (1, "fp16", "fp16-thread")])
+def test_comm_auto_across_hosts(cluster, data_dir, one_process, ppn, dtype, transport):
     """--comm=auto: with one rank a host a communication thread sums the
-    buckets; with 2 hosts x 2 ranks the sums are host-aware (on the host,
-    across hosts by one rank each, shared back).  The cores are
-    oversubscribed there: this checks the result, not the speed."""
-    out = data_dir / ("auto_%d.npz" % ppn)
-    p = run(cluster, [W, data_dir, 12, 6, "out=%s" % out, "prefix=auto%d" % ppn, "comm=auto"],
-            ranks_per_host=ppn, timeout=180)
+    buckets (float32, or float16 with --comm_dtype=fp16); with 2 hosts x 2
+    ranks the sums are host-aware (on the host, across hosts by one rank
+    each, shared back).  The cores are oversubscribed there: this checks
+    the result, not the speed."""
+    out = data_dir / ("auto_%d_%s.npz" % (ppn, dtype))
+    p = run(cluster, [W, data_dir, 12, 6, "out=%s" % out, "prefix=auto%d%s" % (ppn, dtype), "comm=auto",
+                      "comm_dtype=" + dtype], ranks_per_host=ppn, timeout=180)
     assert "Data parallel over %d ranks (%s)" % (2 * ppn, transport) in p.stderr, p.stderr
     got = np.load(out)
     assert int(got["iter"]) == 6
-    np.testing.assert_allclose(got["w"], one_process["w"], rtol=0, atol=1e-6)
-    np.testing.assert_allclose(got["test"], one_process["test"], rtol=0, atol=1e-6)
+    atol = 1e-6 if dtype == "fp32" else 2e-4       # float16 rounding: test_solver_mpi's fp16 test
+    np.testing.assert_allclose(got["w"], one_process["w"], rtol=0, atol=atol)
+    np.testing.assert_allclose(got["test"], one_process["test"], rtol=0, atol=atol)
 
 
 def test_a_killed_rank_ends_the_job(cluster, data_dir):

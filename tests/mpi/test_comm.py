@@ -257,7 +257,8 @@ def test_float16_factors_keep_precision_at_gradient_magnitudes(n):
 
 
 @needs_mpi
+@pytest.mark.parametrize("mode", ["overlap", "thread"])
 @pytest.mark.parametrize("n", [2, 3])
-def test_float16_sums(n):
-    p = mpirun(n, [WORKERS / "fp16_worker.py"])
+def test_float16_sums(n, mode):
+    p = mpirun(n, [WORKERS / "fp16_worker.py", mode])
     assert "FP16 OK" in p.stdout

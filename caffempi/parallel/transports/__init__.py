@@ -24,8 +24,10 @@ nccl       refused                              nccl.NCCLTransport (refused when
                                                 cannot join the ranks)
 =========  ===================================  ======================================
 
-``--comm_dtype=fp16`` (CPU nets) takes :class:`~caffempi.parallel.transports.compressed.Float16Transport`
-whatever ``--comm`` says: buckets cross as float16, summed in float32.
+``--comm_dtype=fp16`` (CPU nets) takes :class:`~caffempi.parallel.transports.compressed.Float16Transport`:
+buckets cross as float16, summed in float32, on a communication thread
+where ``--comm`` (thread, or auto across hosts) would take one for float32,
+else polled as ``overlap``.
 One rank needs no transport: :class:`~caffempi.parallel.transports.base.LocalTransport`.
 A new transport subclasses ``Transport`` and gets a row here.
 """
@@ -60,7 +62,12 @@ def make_transport(world, mode="overlap", xp=np, nbytes=0, dtype="fp32"):
     if dtype == "fp16":
         if xp is not np:
             raise CaffeError("--comm_dtype=fp16 needs CPU nets")
-        return Float16Transport(world)
+        threaded = mode == "thread"
+        if mode == "auto":
+            host, one_host, crowded = _host_layout(world)
+            host.Free()
+            threaded = _comm_thread_fits(world, one_host, crowded)
+        return Float16Transport(world, comm_thread=threaded)
     if xp is np:
         if mode == "nccl":
             raise CaffeError("--comm=nccl needs GPU nets (--gpu)")
@@ -83,13 +90,26 @@ def make_transport(world, mode="overlap", xp=np, nbytes=0, dtype="fp32"):
     return staged.StagedTransport(HOST_TRANSPORTS[mode](world))
 
 
+def _host_layout(world):
+    """(this host's ranks as a communicator, all ranks on one host, some
+    host has several ranks); collective."""
+    host = world.comm.Split_type(world.MPI.COMM_TYPE_SHARED, key=world.rank)
+    crowded = world.allreduce_scalars([host.size], "max", "the count of ranks per host")[0] > 1
+    return host, host.size == world.size, crowded
+
+
+def _comm_thread_fits(world, one_host, crowded):
+    """auto's rule for a communication thread: one rank a host on several
+    hosts, where MPI allows it (polled sums progress too slowly over TCP;
+    on one host a thread's blocking calls would spin on a core the ranks
+    compute on: docs/design/parallel.md)."""
+    return not one_host and not crowded and world.thread_level >= world.MPI.THREAD_MULTIPLE
+
+
 def _by_host(world, mode, nbytes):
     """auto, shm and hierarchical: the choice by where the ranks are
     (collective; every rank reaches the same one)."""
-    MPI = world.MPI
-    host = world.comm.Split_type(MPI.COMM_TYPE_SHARED, key=world.rank)
-    one_host = host.size == world.size
-    crowded = world.allreduce_scalars([host.size], "max", "the count of ranks per host")[0] > 1
+    host, one_host, crowded = _host_layout(world)
     if one_host and mode in ("auto", "shm"):
         transport = make_shm_transport(world, host, nbytes, asked=mode == "shm")
         return transport or HOST_TRANSPORTS["overlap"](world)
@@ -98,9 +118,6 @@ def _by_host(world, mode, nbytes):
     host.Free()
     if mode == "shm" and world.rank == 0:
         log.warning("--comm=shm: the ranks are on more than one host; using --comm=overlap")
-    if mode == "auto" and world.thread_level >= MPI.THREAD_MULTIPLE:
-        # one rank a host: a communication thread keeps the sums moving over
-        # the network while backward computes (polled Iallreduces progress
-        # too slowly over TCP: docs/design/parallel.md)
+    if mode == "auto" and _comm_thread_fits(world, one_host, crowded):
         return HOST_TRANSPORTS["thread"](world)
     return HOST_TRANSPORTS["overlap"](world)

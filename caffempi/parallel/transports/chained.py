@@ -8,12 +8,18 @@ same order on every rank, as MPI requires (on one communicator, one rank
 could issue bucket 0's second step before bucket 1's first, another the
 other way round).
 Progress as in ``overlap``: :meth:`poll` runs between layers and, on the
-CPU, between the chunks of a layer's kernels.
+CPU, between the chunks of a layer's kernels; or, with ``comm_thread``,
+a communication thread (:class:`~caffempi.parallel.transports.mpi.CommThread`)
+polls them, so that a bucket's steps overlap the next bucket's as when
+polled (one bucket's steps run one after another: run blocking, bucket
+after bucket, the link would idle during each step's conversions).
 """
+import threading
 from abc import abstractmethod
 
 from ...backend import threads
 from .base import Transport, yield_core
+from .mpi import CommThread
 
 
 class Chain:
@@ -21,20 +27,27 @@ class Chain:
 
     def __init__(self, buf):
         self.buf, self.step, self.request = buf, 0, None
+        self.done = threading.Event()
 
 
 class ChainedTransport(Transport):
     steps = 1            # steps a bucket's sum takes
 
-    def __init__(self, MPI):
-        self.MPI = MPI
-        self._chains = []                 # this iteration's, in start order
+    def __init__(self, world, comm_thread=False):
+        """``comm_thread``: poll on a communication thread (--comm=thread;
+        needs MPI_THREAD_MULTIPLE), not on the computing one."""
+        self.MPI = world.MPI
+        self._chains = []                 # started and not complete, in start order
+        self.comm_thread = CommThread(world, "--comm=thread", self._progress) if comm_thread else None
 
     def allreduce_start(self, buf):
         chain = self.make_chain(buf)
+        if self.comm_thread is not None:
+            self.comm_thread.submit(lambda: self._chains.append(chain))   # only that thread polls
+            return chain
         self._chains.append(chain)
-        self.poll()
-        threads.set_progress(self.poll)
+        self._progress()
+        threads.set_progress(self._progress)
         return chain
 
     def make_chain(self, buf):
@@ -48,6 +61,11 @@ class ChainedTransport(Transport):
         """All steps of ``chain`` are done (the first unfinished chain)."""
 
     def poll(self):
+        # with a communication thread, only that thread touches the chains
+        return True if self.comm_thread is not None else self._progress()
+
+    def _progress(self):
+        """Issue and test the chains' steps; True when none is pending."""
         limit = self.steps                # the fewest steps an earlier bucket has issued
         for c in self._chains:
             while c.step < self.steps:
@@ -61,14 +79,23 @@ class ChainedTransport(Transport):
                     break
             limit = min(limit, c.step + (c.request is not None))
         while self._chains and self._chains[0].step == self.steps:
-            self.complete(self._chains.pop(0))
+            chain = self._chains.pop(0)
+            self.complete(chain)
+            chain.done.set()
         return not self._chains
 
     def backward_end(self):
         threads.set_progress(None)
 
     def wait(self, handle):
+        if self.comm_thread is not None:
+            return self.comm_thread.wait(handle.done)
         while handle.step < self.steps or handle in self._chains:
-            self.poll()
+            self._progress()
             if handle in self._chains:
                 yield_core()
+
+    def close(self):
+        self.backward_end()
+        if self.comm_thread is not None:
+            self.comm_thread.close()

@@ -14,7 +14,9 @@ adds them in float32, in rank order, rounds its summed piece to float16, and
 the pieces are gathered back (``MPI_Iallgatherv``), then unscaled (exactly:
 a power of two).  Each rank sends 2(P-1)/P of the bucket's float16 bytes,
 half of a float32 ring allreduce, and every rank ends with the same values.
-Steps are issued in bucket order on every rank (chained.ChainedTransport).
+Steps are issued in bucket order on every rank (chained.ChainedTransport),
+polled by the computing thread or by a communication thread
+(``comm_thread``: make_transport's choice, as for float32 sums).
 """
 import math
 
@@ -41,8 +43,9 @@ class Float16Transport(ChainedTransport):
     name = "fp16"
     steps = 3            # agree on the scale, exchange the pieces, gather the summed pieces
 
-    def __init__(self, world):
-        super().__init__(world.MPI)
+    def __init__(self, world, comm_thread=False):
+        super().__init__(world, comm_thread)
+        self.name = "fp16-thread" if comm_thread else "fp16"
         self.scale_comm = world.comm.Dup()          # a communicator a step (chained.py)
         self.exchange_comm = world.comm.Dup()
         self.gather_comm = world.comm.Dup()
@@ -84,7 +87,7 @@ class Float16Transport(ChainedTransport):
         np.multiply(c.out, np.float32(1.0 / c.scale), out=c.buf.reshape(-1))
 
     def close(self):
-        self.backward_end()
+        super().close()
         for comm in (self.scale_comm, self.exchange_comm, self.gather_comm):
             if comm is not None:
                 comm.Free()

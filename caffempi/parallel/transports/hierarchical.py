@@ -20,7 +20,7 @@ class HierarchicalTransport(ChainedTransport):
     steps = 3            # reduce on the host, allreduce across hosts, broadcast on the host
 
     def __init__(self, world, host):
-        super().__init__(world.MPI)
+        super().__init__(world)
         MPI = self.MPI
         self.reduce_comm = host                  # the host's ranks (this transport frees it)
         self.bcast_comm = host.Dup()
@@ -41,7 +41,7 @@ class HierarchicalTransport(ChainedTransport):
         return self.bcast_comm.Ibcast(s.buf, root=0)
 
     def close(self):
-        self.backward_end()
+        super().close()
         for comm in (self.bcast_comm, self.reduce_comm, self.across):
             if comm is not None and comm != self.MPI.COMM_NULL:
                 comm.Free()

@@ -104,50 +104,86 @@ class OverlapTransport(IallreduceTransport):
         super().close()
 
 
-class ThreadTransport(MPITransport):
-    """``--comm=thread``: a communication thread runs a blocking Allreduce
-    per bucket (needs MPI_THREAD_MULTIPLE; the GIL is released inside MPI
-    and BLAS)."""
-    mode = "thread"
+class CommThread:
+    """A communication thread running the jobs handed to it one after
+    another, in the order given (so collectives keep the same order on every
+    rank), and, given ``progress``, calling it between jobs for as long as
+    it returns False (work pending), as backward's kernels call a polled
+    transport's ``poll``.  It calls MPI beside the main thread, hence needs
+    MPI_THREAD_MULTIPLE; the GIL is released inside MPI and NumPy's large
+    array operations.  Across hosts it keeps the link busy while backward
+    computes, which polled sums do not over TCP (docs/design/parallel.md)."""
 
-    def __init__(self, world):
+    def __init__(self, world, what, progress=None):
         if world.thread_level < world.MPI.THREAD_MULTIPLE:
-            raise CaffeError("--comm=thread needs MPI_THREAD_MULTIPLE; this MPI gives level %d"
-                             % world.thread_level)
-        super().__init__(world)
+            raise CaffeError("%s needs MPI_THREAD_MULTIPLE; this MPI gives level %d" % (what, world.thread_level))
         self._queue = queue.Queue()
+        self._progress = progress
         self._error = None
         self._thread = threading.Thread(target=self._run, name="caffempi-comm", daemon=True)
         self._thread.start()
 
-    def allreduce_start(self, buf):
+    def submit(self, job):
+        """Run ``job()`` on the thread after the jobs before it; returns an
+        event set once it has run (for :meth:`wait`)."""
         done = threading.Event()
-        self._queue.put((buf, done))
+        self._queue.put((job, done))
         return done
 
-    def wait(self, handle):
-        handle.wait()
+    def wait(self, event):
+        """Return once ``event`` is set (a job's, or one a job or
+        ``progress`` sets); raises what a job or ``progress`` raised."""
+        while not event.wait(0.05):
+            if self._error is not None:
+                break
         if self._error is not None:
             raise self._error
 
     def _run(self):
-        denormals.apply_here()      # MPI's sums run on this thread
+        denormals.apply_here()      # the jobs compute on this thread
+        pending = False
         while True:
-            item = self._queue.get()
+            try:
+                item = self._queue.get(block=not pending)
+            except queue.Empty:
+                item = ()
             if item is None:
                 return
-            buf, done = item
             try:
-                self._allreduce_now(buf)
+                if item:
+                    job, done = item
+                    job()
+                    done.set()
+                pending = self._progress is not None and not self._progress()
             except BaseException as e:  # reported to the waiting thread
-                self._error = e
-            done.set()
+                self._error, pending = e, False
+            if pending:
+                yield_core()
 
     def close(self):
         if self._thread is not None:
             self._queue.put(None)
             self._thread.join(timeout=5)
             self._thread = None
+
+
+class ThreadTransport(MPITransport):
+    """``--comm=thread``: a communication thread (:class:`CommThread`) runs
+    a blocking Allreduce per bucket."""
+    mode = "thread"
+
+    def __init__(self, world):
+        self._thread = CommThread(world, "--comm=thread")
+        super().__init__(world)
+
+    def allreduce_start(self, buf):
+        return self._thread.submit(lambda: self._allreduce_now(buf))
+
+    def wait(self, handle):
+        self._thread.wait(handle)
+
+    def close(self):
+        self._thread.close()
         super().close()
 
 

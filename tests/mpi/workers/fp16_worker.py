@@ -3,7 +3,10 @@ ranks too) sum exactly where every value and the sum are float16 numbers,
 within float16 rounding of the float32 sum otherwise, and every rank ends
 with the same bits; buckets overlap in flight, as during backward.  Values
 of gradients' magnitudes (1e-6, float16 subnormals unscaled) keep float16's
-relative precision (the transport scales each bucket by a power of two)."""
+relative precision (the transport scales each bucket by a power of two).
+argv[1]: --comm (overlap: polled; thread: on a communication thread)."""
+import sys
+
 import numpy as np
 
 from caffempi.parallel.comm import get_world
@@ -12,10 +15,11 @@ from caffempi.parallel.transports import make_transport
 
 
 def main():
-    world = get_world("overlap")
+    mode = sys.argv[1]
+    world = get_world(mode)
     install_abort_handlers(world)
-    t = make_transport(world, "overlap", np, 0, "fp16")
-    assert t.name == "fp16", t.name
+    t = make_transport(world, mode, np, 0, "fp16")
+    assert t.name == {"overlap": "fp16", "thread": "fp16-thread"}[mode], t.name
     sizes = (7, 1, 40000, 2, 3)
     tri = world.size * (world.size + 1) // 2
     for it in range(5):
