@@ -38,11 +38,15 @@ MODES = {"blocking": ("blocking", "off", "fp32"), "overlap": ("overlap", "off", 
          "fp16_polled": ("overlap", "auto", "fp16")}
 
 
+def slot_seconds(a, net, mode):
+    return a.slot or {"lenet": 0.8, "cifar10_quick": 3.0}.get(net, 4.0 if mode == "default" else 10.0)
+
+
 def run_paired(cluster, a, net, mode):
     """The independent pair (here) and the 2-host job alive together, taking
     turns in time slots (scaling.py's pairing), so both see the same load."""
     comm, a.sfb, a.comm_dtype = MODES[mode]
-    slot = a.slot or {"lenet": 0.8, "cifar10_quick": 3.0}.get(net, 4.0 if mode == "default" else 10.0)
+    slot = slot_seconds(a, net, mode)
     t0 = time.time() + a.startup
     procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1))
     out = tempfile.mktemp(suffix=".json")
@@ -105,6 +109,11 @@ def main():
                         s["step_ms"], mb), flush=True)
                     for c in choices:
                         print("    " + c)
+                    overran = (max(r.get("slot_overrun_s", 0.0) for r in res + pair_runs)
+                               / (a.slots * slot_seconds(a, net, mode)))
+                    if overran > 0.05:
+                        print("    warning: steps ran into the other kind's slots for %.0f%% of their time, "
+                              "slowing it; pass a --slot longer than a step" % (100 * overran))
                     results.append({"net": net, "rate": rate, "mode": mode, "efficiency": eff,
                                     "images_per_s": s["images_per_s"], "step_ms": s["step_ms"],
                                     "pair_images_per_s": pair["images_per_s"], "pair_step_ms": pair["step_ms"],

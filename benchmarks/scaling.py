@@ -165,6 +165,7 @@ def worker(args):
         # see the same background load; only whole iterations inside this
         # run's own slots are timed.
         world.barrier()
+        overran = 0.0         # seconds the timed iterations ran into the other kind's slots
         for j in range(args.slots):
             begin = args.t0 + (2 * j + args.parity) * args.slot
             end = begin + args.slot
@@ -180,9 +181,11 @@ def worker(args):
                 one(True)
                 est = time.perf_counter() - t
                 iter_times.append(est)
+                overran += max(0.0, time.time() - end)
         elapsed = float(np.sum(iter_times))
         args.iters = len(iter_times)
     else:
+        overran = 0.0
         world.barrier()
         t_start = time.perf_counter()
         for _ in range(args.iters):
@@ -224,6 +227,7 @@ def worker(args):
            "comm_exposed_ms": 1e3 * float(np.mean(np.maximum(np.array(exposed) - skew, 0.0))),
            "grad_mb": net.param_diff.nbytes / 2 ** 20,
            "link_bytes_per_step": link_bytes,
+           "slot_overrun_s": overran,
            "buckets": [[b[0], int(b[2] - b[1])] for b in red.buckets],
            "layers": [{"name": n, "index": i, "backward_ms": 1e3 * layer_bw[i] / args.iters,
                        "params": int(sum(net.learnable_params[p].count for p, li in

@@ -293,6 +293,9 @@ def test_scaling_model_token_bucket_link():
     points = [(b, 2e-5 + max(0.0, b - burst) * beta) for b in (1024, 4096, 2 ** 16, 2 ** 20, 2 ** 22)]
     alpha, fitted = scaling_model.fit(points, 2, burst)
     assert fitted == pytest.approx(beta, rel=1e-3)
+    # beyond the buckets' range (TCP's losses on long messages) does not count
+    points.append((2 ** 24, 2e-5 + 1.3 * (2 ** 24 - burst) * beta))
+    assert scaling_model.fit(points, 2, burst)[1] == pytest.approx(beta, rel=1e-3)
 
 
 def test_scaling_model_measured_weight_gradient_time():

@@ -194,6 +194,12 @@ def single_step(profile):
 
 
 # ------------------------------------------------------------ calibration
+# calibrate's pause before each timed sum: an emulated link's token bucket
+# (256 KB) refills in 21 ms at 100 Mbit/s, and fit takes a full bucket out
+# of every sum, as a step finds it after forward
+REFILL_SECONDS = 0.05
+
+
 def _allreduce_worker(out):
     """One rank of calibrate: MPI_Allreduce of 256 B .. 16 MB ("points"),
     and the same buffers through --comm_dtype=fp16's transport as
@@ -215,6 +221,8 @@ def _allreduce_worker(out):
             allreduce()
             ts = []
             for _ in range(reps):
+                comm.Barrier()
+                time.sleep(REFILL_SECONDS)
                 comm.Barrier()
                 t = time.perf_counter()
                 allreduce()
@@ -325,14 +333,16 @@ def calibrate(n=2, cluster=None):
     return fit(data["points"], data["size"], burst), fp16, data
 
 
-def fit(points, n, burst=0.0):
+def fit(points, n, burst=0.0, largest=4 << 20):
     """alpha from the small messages (<= 4 KB), beta by least squares over
-    the large ones (>= 64 KB, the gradient buckets' range) of ring_time,
-    less the ``burst`` bytes a token-bucket link sends at once after the
-    barrier between two measured sums."""
+    the gradient buckets' range (64 KB to ``largest``, the default bucket:
+    TCP moves longer messages through a token-bucket link at a lower rate,
+    its queue dropping packets) of ring_time, less the ``burst`` bytes a
+    token-bucket link sends at once after the pause before each measured
+    sum (REFILL_SECONDS)."""
     small = [t for b, t in points if b <= 4096]
     alpha = float(np.median(small)) / (2 * (n - 1)) if small else 0.0
-    big = [(b, t) for b, t in points if b >= 65536] or points
+    big = [(b, t) for b, t in points if 65536 <= b <= largest] or points
     x = np.array([max(0.0, 2.0 * (n - 1) / n * b - burst) for b, _ in big])
     y = np.array([t - 2 * (n - 1) * alpha for _, t in big])
     beta = float(np.dot(x, y) / np.dot(x, x))
