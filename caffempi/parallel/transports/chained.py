@@ -10,9 +10,9 @@ other way round).
 Progress as in ``overlap``: :meth:`poll` runs between layers and, on the
 CPU, between the chunks of a layer's kernels; or, with ``comm_thread``,
 a communication thread (:class:`~caffempi.parallel.transports.mpi.CommThread`)
-polls them, so that a bucket's steps overlap the next bucket's as when
-polled (one bucket's steps run one after another: run blocking, bucket
-after bucket, the link would idle during each step's conversions).
+polls them, so that the buckets' steps overlap as when polled (run
+blocking, bucket after bucket, the link would idle during each bucket's
+conversions: docs/design/parallel.md).
 """
 import threading
 from abc import abstractmethod
