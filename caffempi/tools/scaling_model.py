@@ -200,29 +200,33 @@ def single_step(profile):
 REFILL_SECONDS = 0.05
 
 
-def _allreduce_worker(out):
-    """One rank of calibrate: MPI_Allreduce of 256 B .. 16 MB ("points"),
-    and the same buffers through --comm_dtype=fp16's transport as
-    --comm=auto takes it across hosts ("fp16_points": seconds by float32
-    bytes; needs MPI_THREAD_MULTIPLE, else skipped)."""
+def _allreduce_worker(arg):
+    """One rank of calibrate; ``arg`` is "WHERE:OUT".  MPI_Allreduce of 256 B
+    .. 16 MB ("points"); on an emulated link (WHERE "link") also the same
+    buffers through --comm_dtype=fp16's transport as --comm=auto takes it
+    across hosts ("fp16_points": seconds by float32 bytes), each timed sum
+    after a pause of REFILL_SECONDS."""
     from ..parallel.comm import get_world
     from ..parallel.transports import make_transport
+    where, out = arg.split(":", 1)
+    link = where == "link"
     world = get_world("thread")
     MPI, comm = world.MPI, world.comm
-    fp16 = make_transport(world, "auto", np, 0, "fp16") if world.thread_level >= MPI.THREAD_MULTIPLE else None
+    fp16 = make_transport(world, "auto", np, 0, "fp16") if link else None
     res = {"points": [], "fp16_points": []}
     for k in range(8, 25, 2):                     # 256 B .. 16 MB
         buf = np.ones(2 ** k // 4, np.float32)
         reps = 50 if k < 20 else 20
-        for key, allreduce in (("points", lambda: comm.Allreduce(MPI.IN_PLACE, buf)),
-                               ("fp16_points", fp16 and (lambda: fp16.allreduce(buf)))):
-            if allreduce is None:
-                continue
+        sums = [("points", lambda: comm.Allreduce(MPI.IN_PLACE, buf))]
+        if fp16 is not None:
+            sums.append(("fp16_points", lambda: fp16.allreduce(buf)))
+        for key, allreduce in sums:
             allreduce()
             ts = []
             for _ in range(reps):
-                comm.Barrier()
-                time.sleep(REFILL_SECONDS)
+                if link:
+                    comm.Barrier()
+                    time.sleep(REFILL_SECONDS)
                 comm.Barrier()
                 t = time.perf_counter()
                 allreduce()
@@ -326,7 +330,7 @@ def calibrate(n=2, cluster=None):
     an emulated ``cluster`` (caffempi.testing.cluster), and fit alpha, beta;
     returns ((alpha, beta), (alpha, beta) of the float16 transport's sums
     per float32 byte or None, the measurements)."""
-    data = _run_worker("allreduce_worker", n, cluster)
+    data = _run_worker("allreduce_worker", n, cluster, "shm:" if cluster is None else "link:")
     burst = cluster.burst_bytes if cluster is not None and cluster.rate else 0.0
     # a float16 sum sends half the bytes: the bucket lets twice the float32 bytes through
     fp16 = fit(data["fp16_points"], data["size"], 2 * burst) if data["fp16_points"] else None
@@ -514,8 +518,7 @@ def weight_grad_timer():
 
 
 FLAGS = FlagSet("scaling_model", __doc__.strip())
-FLAGS.define("allreduce_worker", "", "Internal: run as one rank of --calibrate's measurement, writing JSON to "
-             "this file.")
+FLAGS.define("allreduce_worker", "", "Internal: run as one rank of --calibrate's measurement, shm|link:JSON_FILE.")
 FLAGS.define("comm_cost_worker", "", "Internal: run as one rank of --calibrate_links' measurement of the "
              "transports' cost to the computing thread, COMM:JSON_FILE.")
 FLAGS.define("bench", "", "JSON of benchmarks/scaling.py --json")
