@@ -115,7 +115,9 @@ def test_matmul_split_over_threads(m, k, n, thread_counts):
 @pytest.mark.parametrize("layout", ["C", "F", "strided"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("m, k, n", [(8, 9, 5), (200, 8, 300), (70, 40, 1100)])
-def test_matmul_accumulate_adds_in_place_on_any_thread_count(m, k, n, dtype, layout, thread_counts):
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_matmul_into_writes_or_adds_in_place_on_any_thread_count(m, k, n, dtype, layout, accumulate,
+                                                                 thread_counts):
     def operand(shape, seed):
         x = rand(shape, seed).astype(dtype)
         if layout == "F":
@@ -123,11 +125,11 @@ def test_matmul_accumulate_adds_in_place_on_any_thread_count(m, k, n, dtype, lay
         return rand((shape[0], 2 * shape[1]), seed).astype(dtype)[:, ::2] if layout == "strided" else x
     a, b = operand((m, k), 0), operand((k, n), 1)
     start = rand((m, n), 2).astype(dtype)
-    expected = start.astype(np.float64) + a.astype(np.float64) @ b.astype(np.float64)
+    expected = start.astype(np.float64) * accumulate + a.astype(np.float64) @ b.astype(np.float64)
 
     def run():
         out = start.copy()
-        assert cpu.matmul_accumulate(a, b, out) is out
+        assert cpu.matmul_into(a, b, out, accumulate) is out
         return out
     for r in at_each_count(thread_counts, run):
         np.testing.assert_allclose(r, expected, rtol=1e-4, atol=1e-3)

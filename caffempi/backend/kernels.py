@@ -59,12 +59,16 @@ def matmul(xp, a, b):
     return cpu.matmul(a, b) if xp is np else a @ b
 
 
-def matmul_accumulate(xp, a, b, out):
-    """out += a @ b for 2-D operands and a C-contiguous ``out``: on the CPU
-    one GEMM with beta = 1 into ``out`` (:func:`caffempi.backend.cpu.matmul_accumulate`)."""
+def matmul_into(xp, a, b, out, accumulate=False):
+    """out = a @ b (out += a @ b with ``accumulate``) for 2-D operands and a
+    C-contiguous ``out``: on the CPU one GEMM into ``out``, beta 0 or 1
+    (:func:`caffempi.backend.cpu.matmul_into`)."""
     if xp is np:
-        return cpu.matmul_accumulate(a, b, out)
-    out += a @ b
+        return cpu.matmul_into(a, b, out, accumulate)
+    if accumulate:
+        out += a @ b
+    else:
+        out[...] = a @ b
     return out
 
 

@@ -88,9 +88,9 @@ class InnerProductLayer(Layer):
         if self.weight_grad_from_factors:
             self.factors = (dy, x)
         elif self.transpose:
-            kernels.matmul_accumulate(self.xp, x.T, dy, self.blobs[0].diff)
+            kernels.matmul_into(self.xp, x.T, dy, self.blobs[0].diff, accumulate=True)
         else:
-            kernels.matmul_accumulate(self.xp, dy.T, x, self.blobs[0].diff)
+            kernels.matmul_into(self.xp, dy.T, x, self.blobs[0].diff, accumulate=True)
         if self.bias_term:
             self.blobs[1].diff += dy.sum(axis=0)
         if propagate_down[0]:

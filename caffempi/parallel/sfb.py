@@ -62,7 +62,7 @@ def measure_gemm_rate(repeats=1):
 
 def measure_weight_grad_seconds(rows, num_output, num_input, accumulate=False, repeats=3):
     """Seconds of a fully connected layer's weight gradient from ``rows``
-    factor rows, as this process forms it (kernels.matmul, then written into
+    factor rows, as this process forms it (kernels.matmul_into: written into
     the gradient, or added to it as the layer's backward does), the fastest
     of ``repeats``: for a batch of a few rows it is bound by writing the
     num_output x num_input result, not by its FLOPs."""
@@ -72,10 +72,7 @@ def measure_weight_grad_seconds(rows, num_output, num_input, accumulate=False, r
     best = float("inf")
     for _ in range(repeats + 1):                       # the first warms up
         t = time.perf_counter()
-        if accumulate:
-            grad += kernels.matmul(np, dy.T, x)
-        else:
-            grad[...] = kernels.matmul(np, dy.T, x)
+        kernels.matmul_into(np, dy.T, x, grad, accumulate)
         best = min(best, time.perf_counter() - t)
     return best
 
@@ -281,8 +278,8 @@ class SufficientFactorBroadcast(BucketedAllreduce):
                 dy, x = (self._all_rows(shape, recv, net.dtype) for shape, recv in buffers)
                 grad = layer.blobs[0].diff
                 if layer.factor_transposed:
-                    grad[...] = kernels.matmul(net.xp, x.T, dy)
+                    kernels.matmul_into(net.xp, x.T, dy, grad)
                 else:
-                    grad[...] = kernels.matmul(net.xp, dy.T, x)
+                    kernels.matmul_into(net.xp, dy.T, x, grad)
                 self.transport.poll()
         return (time.perf_counter() - t0) + super().finish(net)
