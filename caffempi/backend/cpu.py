@@ -207,19 +207,6 @@ def matmul_into(a, b, out, accumulate=False):
     else:
         _each_chunk(_blocks(m, t), rows)
     return out
-    m, n = out.shape
-    bt, trans_b = _fortran_operand(b)
-
-    def rows(i, r):
-        # column-major view: out[i:i+r]^T += b^T @ a[i:i+r]^T
-        at, trans_a = _fortran_operand(a[i:i + r])
-        gemm(1.0, bt, at, beta=1.0, c=out[i:i + r].T, trans_a=trans_b, trans_b=trans_a, overwrite_c=1)
-    t = threads.thread_count()
-    if t == 1 or m * n * a.shape[1] < _SPLIT_MIN_MACS or m < 64:
-        rows(0, m)
-    else:
-        _each_chunk(_blocks(m, t), rows)
-    return out
 
 
 def is_pointwise(geom):
