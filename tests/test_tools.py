@@ -350,3 +350,20 @@ def test_scaling_model_float16_sums_take_their_calibrated_link():
     assert as_if_half == pytest.approx(half)
     slower = scaling_model.predict(prof, 2, alpha, beta, "overlap", bytes_per_value=2, sum_link=(alpha, 3 * beta))
     assert slower[1] > half[1]
+
+
+@pytest.mark.parametrize("flag, value, words", [
+    ("--link", "1gbit:25", "RATE:ALPHA_US:GBITS"),
+    ("--link", "1gbit:25:fast", "'fast' is not a number"),
+    ("--link", "1gbit:25:0", "above 0"),
+    ("--comm_cost", "1gbit:overlap", "RATE:MODE=NS"),
+    ("--comm_cost", "1gbit:overlap=x", "'x' is not a number"),
+])
+def test_scaling_model_bad_link_or_cost_is_one_line(tmp_path, capsys, flag, value, words):
+    """A malformed --link or --comm_cost is one error line naming the value,
+    exit 1, no traceback."""
+    bench = tmp_path / "bench.json"
+    bench.write_text("[]")
+    assert scaling_model.main(["--cluster_bench", str(bench), flag, value]) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and value in err and words in err and "Traceback" not in err

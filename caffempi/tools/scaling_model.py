@@ -50,6 +50,7 @@ from pathlib import Path
 
 import numpy as np
 
+from ..common import CaffeError
 from ..flags import FlagSet
 from ._util import run_tool
 
@@ -427,7 +428,6 @@ def factor_choice(profile, n, alpha, beta, gemm_rate):
     return {L["index"] for L, p in zip(cands, plan) if p[0]}
 
 
-
 def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.0, comm_costs=None,
                    fp16_links=None, hosts=(16, 64)):
     """Predicted against measured 2-host figures (benchmarks/cluster.py
@@ -543,6 +543,17 @@ FLAGS.define("comm_cost", [], "with --cluster_bench: the transports' costs measu
 FLAGS.define("gemm_gflops", 0.0, "the GEMM rate (0: measured here, 1 thread)")
 
 
+def _numbers(flag, given, fields):
+    """``fields`` of the flag value ``given`` as floats, or a CaffeError naming it."""
+    values = []
+    for v in fields:
+        try:
+            values.append(float(v))
+        except ValueError:
+            raise CaffeError("%s '%s': '%s' is not a number" % (flag, given, v)) from None
+    return values
+
+
 def _main(a):
     if a.allreduce_worker:
         return _allreduce_worker(a.allreduce_worker)
@@ -555,13 +566,20 @@ def _main(a):
         links, fp16_links, comm_costs = {}, {}, {}
         for given in a.link:
             rate, *fields = given.split(":")
-            values = [float(v) for v in fields]
+            values = _numbers("--link", given, fields)
+            if len(values) not in (2, 4) or 0.0 in values[1::2]:
+                raise CaffeError("--link '%s': expected RATE:ALPHA_US:GBITS[:FP16_ALPHA_US:FP16_GBITS], "
+                                 "Gbit/s above 0" % given)
             links[rate] = (values[0] * 1e-6, 8e-9 / values[1])
             if len(values) == 4:
                 fp16_links[rate] = (values[2] * 1e-6, 8e-9 / values[3])
         for given in a.comm_cost:
-            rate, costs = given.split(":", 1)
-            comm_costs[rate] = {mode: float(ns) * 1e-9 for mode, ns in (c.split("=") for c in costs.split(","))}
+            rate, _, costs = given.partition(":")
+            pairs = [c.partition("=") for c in costs.split(",")]
+            if not all(mode and sep for mode, sep, _ in pairs):
+                raise CaffeError("--comm_cost '%s': expected RATE:MODE=NS,MODE=NS,..." % given)
+            ns = _numbers("--comm_cost", given, [v for _, _, v in pairs])
+            comm_costs[rate] = {mode: v * 1e-9 for (mode, _, _), v in zip(pairs, ns)}
         for rate in sorted({r["rate"] for r in records if r["rate"]}):
             if a.calibrate_links and (rate not in links or rate not in comm_costs):
                 with Cluster(2, rate) as cluster:
