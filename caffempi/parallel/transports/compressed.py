@@ -56,7 +56,9 @@ class Float16Transport(ChainedTransport):
         n = buf.size
         c.counts = np.array([n // self.size + (r < n % self.size) for r in range(self.size)], np.int64)
         c.displs = np.concatenate([[0], np.cumsum(c.counts)[:-1]]).astype(np.int64)
-        c.largest = np.array([np.abs(buf).max() if n else 0.0], np.float32)
+        flat = buf.reshape(-1)
+        # max and -min: no temporary, unlike abs() (this runs on the computing thread)
+        c.largest = np.array([max(flat.max(), -flat.min()) if n else 0.0], np.float32)
         mine = int(c.counts[self.rank])
         c.pieces = np.empty(self.size * mine, np.float16)
         c.mine = np.empty(mine, np.float16)
