@@ -18,8 +18,6 @@ setup(
         "matplotlib>=3.7",
         "mpi4py>=4.0",
         "threadpoolctl>=3.1",
-        # BLAS's GEMM with beta = 1 (weight gradients accumulated in place)
-        "scipy>=1.11",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "pydot>=1.4",

@@ -135,6 +135,44 @@ def test_matmul_into_writes_or_adds_in_place_on_any_thread_count(m, k, n, dtype,
         np.testing.assert_allclose(r, expected, rtol=1e-4, atol=1e-3)
 
 
+@pytest.mark.parametrize("accumulate", [True, False])
+def test_matmul_into_with_no_rows_to_sum(accumulate):
+    out = np.full((3, 4), 2.0, np.float32)
+    cpu.matmul_into(np.zeros((3, 0), np.float32), np.zeros((0, 4), np.float32), out, accumulate)
+    assert np.array_equal(out, np.full((3, 4), 2.0 * accumulate, np.float32))
+
+
+def test_matmul_into_lets_other_threads_run():
+    """The weight gradient's GEMM releases the GIL: a thread that ticks
+    every half millisecond keeps ticking through one long product (SciPy's
+    BLAS held the GIL for the whole of it, stalling the communication
+    thread).  The best of three products, for a loaded machine."""
+    a, b = rand((8, 4096), 0), rand((8, 9216), 1)
+    out = np.zeros((4096, 9216), np.float32)
+    ticks, running = [], True
+
+    def tick():
+        while running:
+            ticks.append(time.perf_counter())
+            time.sleep(0.0005)
+    ticker = threading.Thread(target=tick)
+    ticker.start()
+    shares = []
+    try:
+        for _ in range(3):
+            time.sleep(0.005)
+            start = time.perf_counter()
+            cpu.matmul_into(a.T, b, out, accumulate=True)
+            end = time.perf_counter()
+            time.sleep(0.005)
+            inside = [t for t in ticks if start <= t <= end]
+            shares.append(max(np.diff([start] + inside + [end])) / (end - start))
+    finally:
+        running = False
+        ticker.join()
+    assert min(shares) < 0.5, shares
+
+
 def test_chunks_run_on_several_threads_and_fold_in_order(thread_counts):
     names = set()
     folded = []

@@ -27,10 +27,9 @@ import threading
 
 import numpy as np
 from numpy.lib.stride_tricks import as_strided
-from scipy.linalg import blas
 
 from ..common import rng
-from . import threads
+from . import cblas, threads
 
 # Target size of one chunk's column matrix.  OpenBLAS runs these skinny GEMMs
 # (few output channels) at ~85-90 GFLOP/s on 0.5-2 MB column blocks and at
@@ -168,39 +167,27 @@ def matmul(a, b):
     return out
 
 
-def _fortran_operand(a):
-    """(array, transposed) giving BLAS (column-major) the matrix a^T without
-    a copy where a is contiguous either way."""
-    if a.flags.c_contiguous:
-        return a.T, 0
-    if a.flags.f_contiguous:
-        return a, 1
-    return np.ascontiguousarray(a).T, 0
-
-
 def matmul_into(a, b, out, accumulate=False):
     """out = a (M, K) @ b (K, N), or out += a @ b with ``accumulate``, with
     one GEMM (beta = 0 or 1) writing straight into the C-contiguous ``out``:
     no temporary product and no second pass over ``out``, which matters
     where a few rows make a large gradient (CaffeNet's fc6 at 8 images:
     4096 x 9216 from 8 rows, bound by memory: 29 ms against 78 for
-    ``out += a @ b`` here).  Split into blocks of ``out``'s rows on the
-    intra-op threads as :func:`matmul`."""
-    gemm = {np.float32: blas.sgemm, np.float64: blas.dgemm}.get(out.dtype.type)
-    if gemm is None or not out.flags.c_contiguous:
+    ``out += a @ b`` here).  Through :mod:`.cblas`, which releases the GIL;
+    NumPy's products where that is missing.  Split into blocks of ``out``'s
+    rows on the intra-op threads as :func:`matmul`."""
+    if cblas.gemm is None or out.dtype.type not in (np.float32, np.float64) or not out.flags.c_contiguous:
         if accumulate:
             out += matmul(a, b)
         else:
             out[...] = matmul(a, b)
         return out
     m, n = out.shape
-    bt, trans_b = _fortran_operand(b)
+    a, b = a.astype(out.dtype, copy=False), b.astype(out.dtype, copy=False)
     beta = 1.0 if accumulate else 0.0
 
     def rows(i, r):
-        # column-major view: out[i:i+r]^T = b^T @ a[i:i+r]^T (+ out[i:i+r]^T)
-        at, trans_a = _fortran_operand(a[i:i + r])
-        gemm(1.0, bt, at, beta=beta, c=out[i:i + r].T, trans_a=trans_b, trans_b=trans_a, overwrite_c=1)
+        cblas.gemm(a[i:i + r], b, out[i:i + r], beta)
     t = threads.thread_count()
     if t == 1 or m * n * a.shape[1] < _SPLIT_MIN_MACS or m < 64:
         rows(0, m)
