@@ -367,3 +367,14 @@ def test_scaling_model_bad_link_or_cost_is_one_line(tmp_path, capsys, flag, valu
     assert scaling_model.main(["--cluster_bench", str(bench), flag, value]) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and value in err and words in err and "Traceback" not in err
+
+
+def test_scaling_model_comm_cost_takes_several_modes_a_rate(tmp_path, capsys):
+    """--comm_cost RATE:MODE=NS,MODE=NS as its help writes it: the list flag
+    splits at the comma, and the second mode keeps the rate."""
+    bench = tmp_path / "bench.json"
+    bench.write_text("[]")
+    assert scaling_model.main(["--cluster_bench", str(bench), "--gemm_gflops", "50",
+                               "--link", "1gbit:80:0.9", "--comm_cost", "1gbit:default=1.9,fp16=4.25"]) == 0
+    out = capsys.readouterr().out
+    assert "default costs the computing thread 1.90 ns a byte; fp16 costs the computing thread 4.25 ns" in out

@@ -573,13 +573,15 @@ def _main(a):
             links[rate] = (values[0] * 1e-6, 8e-9 / values[1])
             if len(values) == 4:
                 fp16_links[rate] = (values[2] * 1e-6, 8e-9 / values[3])
+        cost_rate = None
         for given in a.comm_cost:
-            rate, _, costs = given.partition(":")
-            pairs = [c.partition("=") for c in costs.split(",")]
-            if not all(mode and sep for mode, sep, _ in pairs):
+            # a list flag splits at commas: a MODE=NS without RATE: is the previous item's rate
+            head, _, cost = given.rpartition(":")
+            cost_rate = head or cost_rate
+            mode, sep, ns = cost.partition("=")
+            if not (cost_rate and mode and sep):
                 raise CaffeError("--comm_cost '%s': expected RATE:MODE=NS,MODE=NS,..." % given)
-            ns = _numbers("--comm_cost", given, [v for _, _, v in pairs])
-            comm_costs[rate] = {mode: v * 1e-9 for (mode, _, _), v in zip(pairs, ns)}
+            comm_costs.setdefault(cost_rate, {})[mode] = _numbers("--comm_cost", given, [ns])[0] * 1e-9
         for rate in sorted({r["rate"] for r in records if r["rate"]}):
             if a.calibrate_links and (rate not in links or rate not in comm_costs):
                 with Cluster(2, rate) as cluster:
