@@ -56,41 +56,42 @@ def _load():
     return None
 
 
-def _operand(a):
-    """(array, transposed, leading dimension) of ``a`` (M, K) as a row-major
-    BLAS operand: rows or columns contiguous, else a contiguous copy."""
+def _layout(a):
+    """(transposed, leading dimension) of ``a`` (M, K) as a row-major BLAS
+    operand, or None where neither its rows nor its columns are contiguous."""
     item = a.itemsize
     if a.strides[1] == item and a.strides[0] >= a.shape[1] * item:
-        return a, _NO_TRANS, a.strides[0] // item
+        return _NO_TRANS, a.strides[0] // item
     if a.strides[0] == item and a.strides[1] >= a.shape[0] * item:
-        return a, _TRANS, a.strides[1] // item
-    a = np.ascontiguousarray(a)
-    return a, _NO_TRANS, a.shape[1]
+        return _TRANS, a.strides[1] // item
+    return None
 
 
-def _make_gemm(funcs):
-    def gemm(a, b, out, beta):
-        """out (M, N) = a (M, K) @ b (K, N) + beta * out; all of ``out``'s
-        dtype (float32 or float64), ``out``'s rows contiguous."""
-        f = funcs[out.dtype.type]
-        m, n = out.shape
-        k = a.shape[1]
-        if m == 0 or n == 0:
-            return out
-        if k == 0:
-            if beta:
-                out *= beta
-            else:
-                out[...] = 0
-            return out
-        a, trans_a, lda = _operand(a)
-        b, trans_b, ldb = _operand(b)
-        f(_ROW_MAJOR, trans_a, trans_b, m, n, k, 1.0, a.ctypes.data, max(lda, 1), b.ctypes.data, max(ldb, 1),
-          beta, out.ctypes.data, out.strides[0] // out.itemsize)
+def operand(a):
+    """``a``, or a contiguous copy where :func:`gemm` could not take it as
+    it is (so that callers splitting a product copy once, not per block)."""
+    return a if _layout(a) is not None else np.ascontiguousarray(a)
+
+
+def _gemm(a, b, out, beta):
+    """out (M, N) = a (M, K) @ b (K, N) + beta * out (beta 0 or 1); all of
+    ``out``'s dtype (float32 or float64), ``out``'s rows contiguous."""
+    f = _funcs[out.dtype.type]
+    m, n = out.shape
+    k = a.shape[1]
+    if m == 0 or n == 0:
         return out
-    return gemm
+    if k == 0:
+        if not beta:
+            out[...] = 0
+        return out
+    a, b = operand(a), operand(b)
+    (trans_a, lda), (trans_b, ldb) = _layout(a), _layout(b)
+    f(_ROW_MAJOR, trans_a, trans_b, m, n, k, 1.0, a.ctypes.data, max(lda, 1), b.ctypes.data, max(ldb, 1),
+      beta, out.ctypes.data, out.strides[0] // out.itemsize)
+    return out
 
 
 _funcs = _load()
 #: gemm(a, b, out, beta), or None where NumPy's BLAS has no CBLAS to call
-gemm = None if _funcs is None else _make_gemm(_funcs)
+gemm = None if _funcs is None else _gemm

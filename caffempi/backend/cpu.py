@@ -183,7 +183,7 @@ def matmul_into(a, b, out, accumulate=False):
             out[...] = matmul(a, b)
         return out
     m, n = out.shape
-    a, b = a.astype(out.dtype, copy=False), b.astype(out.dtype, copy=False)
+    a, b = (cblas.operand(x.astype(out.dtype, copy=False)) for x in (a, b))
     beta = 1.0 if accumulate else 0.0
 
     def rows(i, r):
