@@ -18,6 +18,8 @@ setup(
         "matplotlib>=3.7",
         "mpi4py>=4.0",
         "threadpoolctl>=3.1",
+        # the CPU's direct convolution kernel (backend/direct.py), compiled at run time
+        "llvmlite>=0.50",
     ],
     extras_require={
         "test": ["pytest>=8", "pytest-timeout>=2.2", "pydot>=1.4",

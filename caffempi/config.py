@@ -14,6 +14,7 @@ docs/configuration.md lists them for users.
 | CAFFEMPI_CUDNN_DETERMINISTIC | cudnn_deterministic | False | cuDNN may pick only bit-reproducible algorithms |
 | CAFFEMPI_TF32 | tf32 | False | cuDNN convolutions may use TF32 tensor cores |
 | CAFFEMPI_FTZ | ftz | True | the computing threads flush denormal floats to zero (x86) |
+| CAFFEMPI_DIRECT_CONV | direct_conv | True | CPU convolutions may use the compiled direct kernel (backend/direct.py) where it is the faster |
 
 A value that cannot be read is a one-line CaffeError naming the variable
 (raised where the setting is first used, so the CLI reports it as any other
@@ -60,6 +61,7 @@ SETTINGS = {
     "cudnn_deterministic": ("CAFFEMPI_CUDNN_DETERMINISTIC", _flag, False),
     "tf32": ("CAFFEMPI_TF32", _flag, False),
     "ftz": ("CAFFEMPI_FTZ", _flag, True),
+    "direct_conv": ("CAFFEMPI_DIRECT_CONV", _flag, True),
 }
 
 

@@ -10,6 +10,7 @@ import pytest
 from threadpoolctl import ThreadpoolController
 
 from caffempi.backend import cpu, threads
+from caffempi.testing.gil import stall_shares
 
 
 @pytest.fixture
@@ -146,30 +147,10 @@ def test_matmul_into_lets_other_threads_run():
     """The weight gradient's GEMM releases the GIL: a thread that ticks
     every half millisecond keeps ticking through one long product (SciPy's
     BLAS held the GIL for the whole of it, stalling the communication
-    thread).  The best of three products, for a loaded machine."""
+    thread)."""
     a, b = rand((8, 4096), 0), rand((8, 9216), 1)
     out = np.zeros((4096, 9216), np.float32)
-    ticks, running = [], True
-
-    def tick():
-        while running:
-            ticks.append(time.perf_counter())
-            time.sleep(0.0005)
-    ticker = threading.Thread(target=tick)
-    ticker.start()
-    shares = []
-    try:
-        for _ in range(3):
-            time.sleep(0.005)
-            start = time.perf_counter()
-            cpu.matmul_into(a.T, b, out, accumulate=True)
-            end = time.perf_counter()
-            time.sleep(0.005)
-            inside = [t for t in ticks if start <= t <= end]
-            shares.append(max(np.diff([start] + inside + [end])) / (end - start))
-    finally:
-        running = False
-        ticker.join()
+    shares = stall_shares(lambda: cpu.matmul_into(a.T, b, out, accumulate=True))
     assert min(shares) < 0.5, shares
 
 

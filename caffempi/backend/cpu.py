@@ -11,7 +11,10 @@ every conv) the input is unfolded along the kernel width only, kw times its
 size, and the product is split by kernel row: row i's part reads a
 contiguous column range of that unfolding (:func:`_conv_row_taps`,
 :func:`_conv_dw_row_taps`), which copies kh times less than the full im2col.
-The full column matrix (:func:`im2col`, by strided copies with no loop over
+Single-precision forwards with few outputs a group, or strided, run the
+direct kernel of :mod:`.direct` instead, compiled for this CPU (it keeps its
+sums in registers, where these skinny GEMMs pack their operands for few
+outputs).  The full column matrix (:func:`im2col`, by strided copies with no loop over
 images or pixels) remains for vertical strides > 1, few input rows per
 product (LeNet's one-channel conv1; one matrix and product per image when
 its reduction is short, see _PER_IMAGE_MAX_K), and the data gradient's
@@ -29,7 +32,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..common import rng
-from . import cblas, threads
+from . import cblas, direct, threads
 
 # Target size of one chunk's column matrix.  OpenBLAS runs these skinny GEMMs
 # (few output channels) at ~85-90 GFLOP/s on 0.5-2 MB column blocks and at
@@ -286,6 +289,11 @@ def conv2d_forward(x, w, geom, group, bias=None):
     xpad = _pad(x, ph, pw)
     p = oh * ow
     k = c * kh * kw
+    if x.dtype == np.float32 and direct.suits(c // g, o // g, geom) and direct.available():
+        # few outputs a group, or strided: the direct kernel (see there)
+        xpad = np.ascontiguousarray(xpad)
+        _each_chunk(_chunks(n, xpad[0].nbytes), direct.forward(xpad, w, geom, g, y, bias))
+        return y
     if _by_row_taps(geom, c // g, p):
         _conv_row_taps(xpad, w, geom, g, oh, ow, y, bias)
         return y

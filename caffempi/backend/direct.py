@@ -1,0 +1,288 @@
+"""Direct convolution on the CPU: a register-tiled kernel written in LLVM IR,
+compiled for this machine at first use (llvmlite, the LLVM binding of the
+Numba project) and called through ctypes, which releases the GIL.
+
+Why: OpenBLAS runs the convolutions' products at 45-55 GFLOP/s where a
+group has few output channels (CIFAR10-quick's 32 and 64), against 80-85 for
+a square sgemm: every column of the unfolded input is packed for only O/group
+outputs.  A direct kernel reads the padded input where it lies and keeps its
+sums in registers for the whole reduction (measurements: :func:`suits` and
+docs/design/cpu.md).
+
+The kernel.  A tile is ``OUT_BLOCK`` output channels (two 8-float vectors)
+by up to ``PIXELS`` neighbouring outputs of one output row; its 2 x PIXELS
+sums stay in registers while it runs over the whole reduction (input channel,
+kernel row, kernel column): per step two weight vectors, one broadcast input
+value per pixel and 2 x PIXELS fused multiply-adds (15 of AVX2's 16 vector
+registers).  The reduction's input offsets come from a table, so strides,
+dilation and padding (the input arrives padded) are all the same code; a
+group is a call of its own.  The weights are reordered to (group, block of
+OUT_BLOCK outputs, reduction, OUT_BLOCK), zero-filled past O/group; sums
+past O/group are not stored.  Each output is one sum in a fixed order, so
+results do not depend on how images are split over threads; they differ
+from the GEMM kernels' in the last bits (another summation order).
+
+Float32 on x86-64 with AVX2 and FMA only, what the kernel is written and
+measured for; :func:`available` is False elsewhere (no llvmlite, another
+CPU, ``CAFFEMPI_DIRECT_CONV=0``) and the callers use the GEMM kernels.
+"""
+import ctypes
+import functools
+import platform
+
+import numpy as np
+
+from .. import config
+
+VECTOR = 8          # float32 lanes of an AVX2 register
+OUT_BLOCK = 2 * VECTOR
+PIXELS = 6
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_FORWARD = ctypes.CFUNCTYPE(None, *([_P] * 5 + [_I] * 11))
+
+
+class _Builder:
+    """Writes the module's functions: shared types and the few IR idioms
+    (a counted loop, a vector load, a broadcast, a switch on a tail)."""
+
+    def __init__(self):
+        import llvmlite.ir as ir
+        self.ir = ir
+        self.f32, self.i64, self.i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
+        self.vec = ir.VectorType(self.f32, VECTOR)
+        self.fp, self.ip = self.f32.as_pointer(), self.i64.as_pointer()
+        self.module = ir.Module(name="caffempi_direct_conv")
+        self.fma = ir.Function(self.module, ir.FunctionType(self.vec, [self.vec] * 3),
+                               name="llvm.fma.v%df32" % VECTOR)
+
+    def const(self, v):
+        return self.ir.Constant(self.i64, v)
+
+    def function(self, name, pointers, tables, integers, internal=False):
+        """void name(float* x ``pointers``, int64* x ``tables``, int64 x
+        ``integers``), and a builder at its entry."""
+        ir = self.ir
+        types = [self.fp] * pointers + [self.ip] * tables + [self.i64] * integers
+        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), types), name=name)
+        for a in fn.args[:pointers + tables]:
+            a.add_attribute("noalias")
+        if internal:
+            fn.linkage = "internal"
+        return fn, self.ir.IRBuilder(fn.append_basic_block("entry"))
+
+    def vector_at(self, b, base, index):
+        return b.load(b.bitcast(b.gep(base, [index]), self.vec.as_pointer()), align=4)
+
+    def spread(self, b, value):
+        ir = self.ir
+        one = b.insert_element(ir.Constant(self.vec, ir.Undefined), value, ir.Constant(self.i32, 0))
+        return b.shuffle_vector(one, ir.Constant(self.vec, ir.Undefined),
+                                ir.Constant(ir.VectorType(self.i32, VECTOR), [0] * VECTOR))
+
+    def counted(self, b, n, body, carried=()):
+        """for i in range(n): carried = body(i, carried); returns the final
+        values of ``carried`` (loop-carried vectors, kept in registers)."""
+        fn, before = b.function, b.block
+        head, inside, out = (fn.append_basic_block() for _ in range(3))
+        b.branch(head)
+        b.position_at_end(head)
+        i = b.phi(self.i64)
+        i.add_incoming(self.const(0), before)
+        phis = [b.phi(v.type) for v in carried]
+        for phi, v in zip(phis, carried):
+            phi.add_incoming(v, before)
+        b.cbranch(b.icmp_signed("<", i, n), inside, out)
+        b.position_at_end(inside)
+        updated = body(i, phis)
+        i.add_incoming(b.add(i, self.const(1)), b.block)
+        for phi, v in zip(phis, updated if carried else ()):
+            phi.add_incoming(v, b.block)
+        b.branch(head)
+        b.position_at_end(out)
+        return phis
+
+    def tiled(self, b, n, tiles, call):
+        """call(tiles[PIXELS], start) for the whole tiles of a run of ``n``,
+        then call(tiles[r], start) for its last r < PIXELS."""
+        whole = b.sdiv(n, self.const(PIXELS))
+        rest_at = b.mul(whole, self.const(PIXELS))
+        self.counted(b, whole, lambda t, _: call(tiles[PIXELS], b.mul(t, self.const(PIXELS))))
+        after = b.function.append_basic_block()
+        switch = b.switch(b.sub(n, rest_at), after)
+        for r in range(1, PIXELS):
+            case = b.function.append_basic_block()
+            switch.add_case(self.const(r), case)
+            b.position_at_end(case)
+            call(tiles[r], rest_at)
+            b.branch(after)
+        b.position_at_end(after)
+
+
+def _forward_tile(m, r):
+    """tile(x, w, bias, y, koff, K, sw, p, valid): y[o*p + t] = bias[o] +
+    sum over k of w[k*OUT_BLOCK + o] * x[koff[k] + t*sw], for the r pixels t
+    and the outputs o < valid."""
+    fn, b = m.function("forward%d" % r, 4, 1, 4, internal=True)
+    x, w, bias, y, koff, k_len, sw, p, valid = fn.args
+    start = [m.vector_at(b, bias, m.const(v * VECTOR)) for v in range(2)]
+    pixel = [b.mul(sw, m.const(t)) for t in range(r)]
+
+    def step(k, sums):
+        offset = b.load(b.gep(koff, [k]))
+        wk = b.mul(k, m.const(OUT_BLOCK))
+        weights = [m.vector_at(b, w, b.add(wk, m.const(v * VECTOR))) for v in range(2)]
+        out = []
+        for t in range(r):
+            spread = m.spread(b, b.load(b.gep(x, [b.add(offset, pixel[t])])))
+            out += [b.call(m.fma, [spread, weights[v], sums[2 * t + v]]) for v in range(2)]
+        return out
+    sums = m.counted(b, k_len, step, start * r)
+    for o in range(OUT_BLOCK):
+        store, after = fn.append_basic_block(), fn.append_basic_block()
+        b.cbranch(b.icmp_signed("<", m.const(o), valid), store, after)
+        b.position_at_end(store)
+        row = b.mul(m.const(o), p)
+        for t in range(r):
+            lane = b.extract_element(sums[2 * t + o // VECTOR], m.ir.Constant(m.i32, o % VECTOR))
+            b.store(lane, b.gep(y, [b.add(row, m.const(t))]))
+        b.branch(after)
+        b.position_at_end(after)
+    b.ret_void()
+    return fn
+
+
+def _forward(m):
+    """forward(x, w, bias, y, koff, images, K, blocks, outputs, oh, ow,
+    x image stride, x row stride, sh, sw, y image stride): the tiles of every
+    image, block of outputs and output row."""
+    tiles = {r: _forward_tile(m, r) for r in range(1, PIXELS + 1)}
+    fn, b = m.function("forward", 4, 1, 11)
+    x, w, bias, y, koff, images, k_len, blocks, outputs, oh, ow, x_image, x_row, sh, sw, y_image = fn.args
+    p = b.mul(oh, ow)
+
+    def image(n, _):
+        xi, yi = b.gep(x, [b.mul(n, x_image)]), b.gep(y, [b.mul(n, y_image)])
+
+        def block(ob, _):
+            first = b.mul(ob, m.const(OUT_BLOCK))
+            wb, bb = b.gep(w, [b.mul(first, k_len)]), b.gep(bias, [first])
+            yb, valid = b.gep(yi, [b.mul(first, p)]), b.sub(outputs, first)
+
+            def out_row(oy, _):
+                xr, yr = b.gep(xi, [b.mul(b.mul(oy, sh), x_row)]), b.gep(yb, [b.mul(oy, ow)])
+                m.tiled(b, ow, tiles, lambda tile, ox: b.call(
+                    tile, [b.gep(xr, [b.mul(ox, sw)]), wb, bb, b.gep(yr, [ox]), koff, k_len, sw, p, valid]))
+            m.counted(b, oh, out_row)
+        m.counted(b, blocks, block)
+    m.counted(b, images, image)
+    b.ret_void()
+
+
+def _ir():
+    """The module's LLVM IR (text): ``forward`` and its tiles."""
+    m = _Builder()
+    _forward(m)
+    return str(m.module)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    """(engine, forward): the compiled kernel as a ctypes function (the
+    engine owns its code), or None where it does not run here."""
+    if platform.machine() not in ("x86_64", "AMD64"):
+        return None
+    try:
+        import llvmlite.binding as llvm
+    except ImportError:
+        return None
+    llvm.initialize_native_target()
+    llvm.initialize_native_asmprinter()
+    features = llvm.get_host_cpu_features()
+    if not (features.get("avx2") and features.get("fma")):
+        return None
+    module = llvm.parse_assembly(_ir())
+    module.verify()
+    target = llvm.Target.from_triple(llvm.get_process_triple())
+    machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features.flatten(), opt=3)
+    module.triple = llvm.get_process_triple()
+    engine = llvm.create_mcjit_compiler(module, machine)
+    engine.finalize_object()
+    return engine, _FORWARD(engine.get_function_address("forward"))
+
+
+def available():
+    """Whether the direct kernel runs here and is allowed
+    (``CAFFEMPI_DIRECT_CONV``, default on)."""
+    return bool(config.settings.direct_conv) and _compiled() is not None
+
+
+# Where the direct kernel is used (:func:`suits`).  Forward at 1 thread,
+# direct / GEMM kernels of backend.cpu, ms, medians of 5 alternating pairs,
+# AMD EPYC (Zen 3), 2026-11-25, two runs on a busy host (the second slower
+# throughout): CIFAR10-quick (batch 100) conv1 8.9 / 12.2 and 16.2 / 20.2,
+# conv2 18.5 / 26.0 and 33.8 / 38.1, conv3 11.3 / 12.5 and 16.3 / 18.8;
+# CaffeNet (8) conv1 (11x11/4, 96 outputs) 25.6 / 31.3 and 47.6 / 49.9;
+# ResNet-50 (8) conv1 (7x7/2) 44.9 / 72.0 and 71.9 / 84.6.  Not used where
+# it was level or lost: more than 64 outputs a group at stride 1 (CaffeNet
+# conv2, 128: 55.4 / 60.9 then 76.4 / 69.6; ResNet's 3x3 at 28x28, 128:
+# 39.3 / 38.7); outputs that leave a block part empty (LeNet's conv2, 50 in
+# blocks of 16: 4.7 / 4.5, 6.8 / 6.5); a short reduction (LeNet's conv1,
+# 25 = 1 x 5 x 5: 6.2 / 4.4, its tiles' stores weigh); a long one, whose
+# weight blocks leave the fast caches while the GEMMs pack their operands
+# once for many outputs (CaffeNet's conv3, 2304 = 256 x 3 x 3: 51.2 / 44.4,
+# 62.0 / 47.0; ResNet's 3x3 at 14x14: 46.8 / 41.8).
+_MIN_REDUCTION = 64
+_MAX_REDUCTION = 1536
+_MAX_OUTPUTS = 64
+
+
+def suits(cg, og, geom):
+    """Whether a convolution of ``cg`` input and ``og`` output channels per
+    group and window ``geom`` runs faster by the direct kernel than by the
+    GEMM kernels here (see the measurements above)."""
+    kh, kw, sh, sw = geom[:4]
+    return (_MIN_REDUCTION <= cg * kh * kw <= _MAX_REDUCTION and og % OUT_BLOCK == 0
+            and (og <= _MAX_OUTPUTS or sh > 1 or sw > 1))
+
+
+@functools.lru_cache(maxsize=64)
+def _offsets(cg, kh, kw, hp, wp, dh, dw):
+    """The reduction's input offsets in (channel, kernel row, kernel column)
+    order, relative to a window's first input."""
+    c, i, j = np.meshgrid(np.arange(cg), np.arange(kh) * dh * wp, np.arange(kw) * dw, indexing="ij")
+    offsets = (c * hp * wp + i + j).astype(np.int64).ravel()
+    offsets.flags.writeable = False
+    return offsets
+
+
+def forward(xpad, w, geom, group, y, bias=None):
+    """A function run(a, m) that writes y[a:a+m] (images, C-contiguous
+    (N, O, oh, ow) float32) = the convolution of xpad[a:a+m] (C-contiguous
+    float32, already padded) with ``w`` (O, C/group, kh, kw), plus ``bias``
+    (O,) if given.  Call only where :func:`available`."""
+    kh, kw, sh, sw, _, _, dh, dw = geom
+    _, c, hp, wp = xpad.shape
+    _, o, oh, ow = y.shape
+    g = group
+    cg, og = c // g, o // g
+    k = cg * kh * kw
+    blocks = -(-og // OUT_BLOCK)
+    wr = np.zeros((g, blocks * OUT_BLOCK, k), np.float32)
+    wr[:, :og] = w.reshape(g, og, k)
+    wr = np.ascontiguousarray(wr.reshape(g, blocks, OUT_BLOCK, k).transpose(0, 1, 3, 2))
+    br = np.zeros((g, blocks * OUT_BLOCK), np.float32)
+    if bias is not None:
+        br[:, :og] = bias.reshape(g, og)
+    koff = _offsets(cg, kh, kw, hp, wp, dh, dw)
+    kernel = _compiled()[1]
+    x_image, y_image = c * hp * wp, o * oh * ow
+    item = 4
+
+    def run(a, m):
+        for gi in range(g):
+            kernel(xpad.ctypes.data + item * (a * x_image + gi * cg * hp * wp), wr[gi].ctypes.data,
+                   br[gi].ctypes.data, y.ctypes.data + item * (a * y_image + gi * og * oh * ow), koff.ctypes.data,
+                   m, k, blocks, og, oh, ow, x_image, wp, sh, sw, y_image)
+    return run
+
