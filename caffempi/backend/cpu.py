@@ -120,12 +120,15 @@ def images_per_chunk(n, per_image_bytes, limit):
     return int(max(1, min(n, limit // max(per_image_bytes, 1))))
 
 
-def _chunks(n, per_image_bytes, limit=None):
+def _chunks(n, per_image_bytes, limit=None, multiple=1):
     """(a, m) for chunks of m images from image a, equal in size, each under
     ``limit`` (default _COL_CHUNK_BYTES; per image) as
-    :func:`images_per_chunk`; they run on the intra-op threads
+    :func:`images_per_chunk`, and a ``multiple`` of them where n allows
+    (the thread count, for kernels whose results do not depend on the
+    chunks: no thread idles at the end); they run on the intra-op threads
     (:func:`_each_chunk`)."""
     count = -(-n // images_per_chunk(n, per_image_bytes, limit or _COL_CHUNK_BYTES))
+    count = min(n, -(-count // multiple) * multiple)
     nb = -(-n // count)
     return [(a, min(nb, n - a)) for a in range(0, n, nb)]
 
@@ -292,7 +295,9 @@ def conv2d_forward(x, w, geom, group, bias=None):
     if x.dtype == np.float32 and direct.suits(c // g, o // g, geom) and direct.available():
         # few outputs a group, or strided: the direct kernel (see there)
         xpad = np.ascontiguousarray(xpad)
-        _each_chunk(_chunks(n, xpad[0].nbytes), direct.forward(xpad, w, geom, g, y, bias))
+        # each image's result is the same whatever the chunks: as many per thread
+        chunks = _chunks(n, xpad[0].nbytes + y[0].nbytes, multiple=threads.thread_count())
+        _each_chunk(chunks, direct.forward(xpad, w, geom, g, y, bias))
         return y
     if _by_row_taps(geom, c // g, p):
         _conv_row_taps(xpad, w, geom, g, oh, ow, y, bias)
