@@ -277,7 +277,7 @@ def forward(xpad, w, geom, group, y, bias=None):
     koff = _offsets(cg, kh, kw, hp, wp, dh, dw)
     kernel = _compiled()[1]
     x_image, y_image = c * hp * wp, o * oh * ow
-    item = 4
+    item = xpad.itemsize
 
     def run(a, m):
         for gi in range(g):
