@@ -1,6 +1,6 @@
 """Direct convolution on the CPU: a register-tiled kernel written in LLVM IR,
-compiled for this machine at first use (llvmlite, the LLVM binding of the
-Numba project) and called through ctypes, which releases the GIL.
+compiled for this machine at first use and called through ctypes, which
+releases the GIL (backend/llvm.py).
 
 Why: OpenBLAS runs the convolutions' products at 45-55 GFLOP/s where a
 group has few output channels (CIFAR10-quick's 32 and 64), against 80-85 for
@@ -28,11 +28,11 @@ CPU, ``CAFFEMPI_DIRECT_CONV=0``) and the callers use the GEMM kernels.
 """
 import ctypes
 import functools
-import platform
 
 import numpy as np
 
 from .. import config
+from . import llvm
 
 VECTOR = 8          # float32 lanes of an AVX2 register
 OUT_BLOCK = 2 * VECTOR
@@ -42,65 +42,14 @@ _P, _I = ctypes.c_void_p, ctypes.c_int64
 _FORWARD = ctypes.CFUNCTYPE(None, *([_P] * 5 + [_I] * 11))
 
 
-class _Builder:
-    """Writes the module's functions: shared types and the few IR idioms
-    (a counted loop, a vector load, a broadcast, a switch on a tail)."""
+class _Builder(llvm.Builder):
+    """The shared IR idioms, with AVX2's fused multiply-add and a run of
+    tiles."""
 
     def __init__(self):
-        import llvmlite.ir as ir
-        self.ir = ir
-        self.f32, self.i64, self.i32 = ir.FloatType(), ir.IntType(64), ir.IntType(32)
-        self.vec = ir.VectorType(self.f32, VECTOR)
-        self.fp, self.ip = self.f32.as_pointer(), self.i64.as_pointer()
-        self.module = ir.Module(name="caffempi_direct_conv")
-        self.fma = ir.Function(self.module, ir.FunctionType(self.vec, [self.vec] * 3),
-                               name="llvm.fma.v%df32" % VECTOR)
-
-    def const(self, v):
-        return self.ir.Constant(self.i64, v)
-
-    def function(self, name, pointers, tables, integers, internal=False):
-        """void name(float* x ``pointers``, int64* x ``tables``, int64 x
-        ``integers``), and a builder at its entry."""
-        ir = self.ir
-        types = [self.fp] * pointers + [self.ip] * tables + [self.i64] * integers
-        fn = ir.Function(self.module, ir.FunctionType(ir.VoidType(), types), name=name)
-        for a in fn.args[:pointers + tables]:
-            a.add_attribute("noalias")
-        if internal:
-            fn.linkage = "internal"
-        return fn, self.ir.IRBuilder(fn.append_basic_block("entry"))
-
-    def vector_at(self, b, base, index):
-        return b.load(b.bitcast(b.gep(base, [index]), self.vec.as_pointer()), align=4)
-
-    def spread(self, b, value):
-        ir = self.ir
-        one = b.insert_element(ir.Constant(self.vec, ir.Undefined), value, ir.Constant(self.i32, 0))
-        return b.shuffle_vector(one, ir.Constant(self.vec, ir.Undefined),
-                                ir.Constant(ir.VectorType(self.i32, VECTOR), [0] * VECTOR))
-
-    def counted(self, b, n, body, carried=()):
-        """for i in range(n): carried = body(i, carried); returns the final
-        values of ``carried`` (loop-carried vectors, kept in registers)."""
-        fn, before = b.function, b.block
-        head, inside, out = (fn.append_basic_block() for _ in range(3))
-        b.branch(head)
-        b.position_at_end(head)
-        i = b.phi(self.i64)
-        i.add_incoming(self.const(0), before)
-        phis = [b.phi(v.type) for v in carried]
-        for phi, v in zip(phis, carried):
-            phi.add_incoming(v, before)
-        b.cbranch(b.icmp_signed("<", i, n), inside, out)
-        b.position_at_end(inside)
-        updated = body(i, phis)
-        i.add_incoming(b.add(i, self.const(1)), b.block)
-        for phi, v in zip(phis, updated if carried else ()):
-            phi.add_incoming(v, b.block)
-        b.branch(head)
-        b.position_at_end(out)
-        return phis
+        super().__init__("caffempi_direct_conv", VECTOR)
+        self.fma = self.ir.Function(self.module, self.ir.FunctionType(self.vec, [self.vec] * 3),
+                                    name="llvm.fma.v%df32" % VECTOR)
 
     def tiled(self, b, n, tiles, call):
         """call(tiles[PIXELS], start) for the whole tiles of a run of ``n``,
@@ -123,7 +72,7 @@ def _forward_tile(m, r):
     """tile(x, w, bias, y, koff, K, sw, p, valid): y[o*p + t] = bias[o] +
     sum over k of w[k*OUT_BLOCK + o] * x[koff[k] + t*sw], for the r pixels t
     and the outputs o < valid."""
-    fn, b = m.function("forward%d" % r, 4, 1, 4, internal=True)
+    fn, b = m.function("forward%d" % r, [m.fp] * 4 + [m.ip] + [m.i64] * 4, internal=True)
     x, w, bias, y, koff, k_len, sw, p, valid = fn.args
     start = [m.vector_at(b, bias, m.const(v * VECTOR)) for v in range(2)]
     pixel = [b.mul(sw, m.const(t)) for t in range(r)]
@@ -157,7 +106,7 @@ def _forward(m):
     x image stride, x row stride, sh, sw, y image stride): the tiles of every
     image, block of outputs and output row."""
     tiles = {r: _forward_tile(m, r) for r in range(1, PIXELS + 1)}
-    fn, b = m.function("forward", 4, 1, 11)
+    fn, b = m.function("forward", [m.fp] * 4 + [m.ip] + [m.i64] * 11)
     x, w, bias, y, koff, images, k_len, blocks, outputs, oh, ow, x_image, x_row, sh, sw, y_image = fn.args
     p = b.mul(oh, ow)
 
@@ -190,25 +139,8 @@ def _ir():
 def _compiled():
     """(engine, forward): the compiled kernel as a ctypes function (the
     engine owns its code), or None where it does not run here."""
-    if platform.machine() not in ("x86_64", "AMD64"):
-        return None
-    try:
-        import llvmlite.binding as llvm
-    except ImportError:
-        return None
-    llvm.initialize_native_target()
-    llvm.initialize_native_asmprinter()
-    features = llvm.get_host_cpu_features()
-    if not (features.get("avx2") and features.get("fma")):
-        return None
-    module = llvm.parse_assembly(_ir())
-    module.verify()
-    target = llvm.Target.from_triple(llvm.get_process_triple())
-    machine = target.create_target_machine(cpu=llvm.get_host_cpu_name(), features=features.flatten(), opt=3)
-    module.triple = llvm.get_process_triple()
-    engine = llvm.create_mcjit_compiler(module, machine)
-    engine.finalize_object()
-    return engine, _FORWARD(engine.get_function_address("forward"))
+    engine = llvm.compile_module(_ir(), ("avx2", "fma"))
+    return engine and (engine, _FORWARD(engine.get_function_address("forward")))
 
 
 def available():

@@ -25,7 +25,7 @@ import time
 
 import numpy as np
 
-from ..backend import kernels
+from ..backend import half, kernels
 from ..common import CaffeError, log
 from .sync import BucketedAllreduce
 from .transports.base import yield_core
@@ -239,7 +239,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
                     f = np.asarray(f)
                     scale = bucket_scale(float(np.abs(f).max()) if f.size else 0.0, 1)
                     send = np.empty(f.size + 1, np.float16)
-                    send[:-1] = (f.reshape(-1) * np.float32(scale))
+                    half.to_half(f, scale, send[:-1])
                     send[-1] = math.log2(scale)
                     as_sent = send.view(np.uint16)
                 else:
@@ -254,7 +254,10 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         """Every rank's rows of one gathered factor of ``shape`` (M x ...), as
         (ranks * M) x rest in ``dtype``, unscaled where it came as float16."""
         if self.comm_dtype == "fp16":
-            recv = recv[:, :-1].astype(dtype) * np.exp2(-recv[:, -1:].astype(dtype))
+            rows = np.empty((len(recv), recv.shape[1] - 1), dtype)
+            for row, sent in zip(rows, recv):
+                half.from_half(sent[:-1], 2.0 ** -float(sent[-1]), row)
+            recv = rows
         return np.asarray(recv, dtype).reshape(self.world.size * shape[0], -1)
 
     def _progress(self):
