@@ -15,6 +15,7 @@ docs/configuration.md lists them for users.
 | CAFFEMPI_TF32 | tf32 | False | cuDNN convolutions may use TF32 tensor cores |
 | CAFFEMPI_FTZ | ftz | True | the computing threads flush denormal floats to zero (x86) |
 | CAFFEMPI_DIRECT_CONV | direct_conv | True | CPU convolutions may use the compiled direct kernel (backend/direct.py) where it is the faster |
+| CAFFEMPI_COMPILED_POOLING | compiled_pooling | True | CPU MAX pooling uses the compiled kernels (backend/pooling.py) where they run |
 
 A value that cannot be read is a one-line CaffeError naming the variable
 (raised where the setting is first used, so the CLI reports it as any other
@@ -62,6 +63,7 @@ SETTINGS = {
     "tf32": ("CAFFEMPI_TF32", _flag, False),
     "ftz": ("CAFFEMPI_FTZ", _flag, True),
     "direct_conv": ("CAFFEMPI_DIRECT_CONV", _flag, True),
+    "compiled_pooling": ("CAFFEMPI_COMPILED_POOLING", _flag, True),
 }
 
 

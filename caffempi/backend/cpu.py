@@ -32,7 +32,7 @@ import numpy as np
 from numpy.lib.stride_tricks import as_strided
 
 from ..common import rng
-from . import cblas, direct, threads
+from . import cblas, direct, pooling, threads
 
 # Target size of one chunk's column matrix.  OpenBLAS runs these skinny GEMMs
 # (few output channels) at ~85-90 GFLOP/s on 0.5-2 MB column blocks and at
@@ -933,11 +933,16 @@ def max_pool_forward(x, geom, oh, ow):
     unpadded image of each window's first maximum in raster order (Caffe's)."""
     n, c = x.shape[:2]
     y, idx = np.empty((n, c, oh, ow), x.dtype), np.empty((n, c, oh, ow), np.int32)
+    if pooling.available(x.dtype):
+        return tuple(_over_images(lambda t, yt, it: pooling.max_forward(t, geom, yt, it),
+                                  [np.ascontiguousarray(x)], [y, idx]))
     return tuple(_over_images(lambda t, yt, it: _max_pool_forward(t, geom, oh, ow, yt, it), [x], [y, idx]))
 
 
 def max_pool_backward(dy, idx, geom, x_shape):
     dx = np.empty(x_shape, dy.dtype)
+    if pooling.available(dy.dtype):
+        return _over_images(pooling.max_backward, [np.ascontiguousarray(dy), np.ascontiguousarray(idx, np.int32)], [dx])[0]
     return _over_images(lambda d, i, dxt: _max_pool_backward(d, i, geom, dxt), [dy, idx], [dx])[0]
 
 

@@ -5,7 +5,9 @@ import math
 import numpy as np
 import pytest
 
+from caffempi.backend import cpu, pooling
 from caffempi.common import CaffeError
+from caffempi.config import using_config
 from caffempi.testing.gradient_check import check_gradient, run_layer
 
 
@@ -161,3 +163,31 @@ def test_max_pool_float32():
 def test_errors(text, shape, ntop):
     with pytest.raises(CaffeError):
         run_layer(pool_text(text), [np.zeros(shape)], num_top=ntop)
+
+
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+@pytest.mark.parametrize("shape,geom", [(case[1], case[2:]) for case in CASES] + [
+    ((2, 3, 32, 32), (3, 3, 2, 2, 0, 0)),       # NumPy's 3x3/2 phase form
+    ((1, 2, 13, 13), (3, 3, 2, 2, 0, 0)),       # odd sides (CaffeNet's pools)
+    ((2, 3, 8, 8), (2, 2, 2, 2, 0, 0)),         # windows that tile the image
+    ((2, 2, 5, 6), (5, 6, 1, 1, 0, 0)),         # one window: global
+])
+def test_max_pool_kernels_match_loops(compiled, dtype, shape, geom):
+    """The compiled kernels (backend/pooling.py) and the NumPy forms give
+    Caffe's maxima, argmax and routed gradient, bitwise."""
+    with using_config(compiled_pooling=compiled):
+        if compiled and not pooling.available(dtype):
+            pytest.skip("the compiled kernels need x86-64 and llvmlite")
+        x = distinct(*shape).astype(dtype)
+        y_ref, mask = ref_pool(x.astype(np.float64), *geom, "MAX")
+        y, idx = cpu.max_pool_forward(x, geom + (1, 1), *y_ref.shape[2:])
+        dy = distinct(*y.shape, seed=2).astype(dtype)
+        dx = cpu.max_pool_backward(dy, idx, geom + (1, 1), shape)
+    np.testing.assert_array_equal(y, y_ref.astype(dtype))
+    np.testing.assert_array_equal(idx, mask)
+    dx_ref = np.zeros(shape, dtype)
+    n, c = shape[:2]
+    for a, b in np.ndindex(n, c):
+        np.add.at(dx_ref[a, b].reshape(-1), idx[a, b].ravel(), dy[a, b].ravel())
+    np.testing.assert_array_equal(dx, dx_ref)

@@ -1,0 +1,194 @@
+"""MAX pooling on the CPU compiled from LLVM IR (backend/llvm.py): Caffe's
+loops, one output at a time, for any window, stride and padding.
+
+Why: the NumPy forms (backend/cpu.py) take a copy of the input into stride
+phases and a dozen passes over it to find each window's first maximum, and
+the backward is a scatter-add through ``np.add.at``; a compiled loop reads
+each input once (measurements: docs/design/cpu.md).
+
+Forward: each output is the first maximum in raster order of its window
+clipped to the image (Caffe's ``MaxPoolForward``, as backend/gpu.py), and
+``idx`` the flat ``h * W + w`` of that input in its unpadded plane; NaN
+inputs are passed over, as in Caffe (``v > best`` is false).  Backward:
+dx is zero, plus each output gradient added at its ``idx`` in output order.
+Float32 and float64.  :func:`available` is False off x86-64, without
+llvmlite or with ``CAFFEMPI_COMPILED_POOLING=0``, and the callers use the
+NumPy forms.
+"""
+import ctypes
+import functools
+
+import numpy as np
+
+from .. import config
+from . import llvm
+
+_P, _I = ctypes.c_void_p, ctypes.c_int64
+_TYPES = {np.dtype(np.float32): "f32", np.dtype(np.float64): "f64"}
+LANES = 8                       # outputs a vector
+VECTOR_STRIDES = (1, 2, 3, 4)   # column strides with a vector kernel of their own
+
+
+def _smaller(b, a, c):
+    return b.select(b.icmp_signed("<", a, c), a, c)
+
+
+def _larger(b, a, c):
+    return b.select(b.icmp_signed(">", a, c), a, c)
+
+
+def _forward(m, real, name, stride=None):
+    """name(x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw); with
+    ``stride`` (sw == stride), LANES neighbouring outputs whose windows lie
+    inside the row at a time, in vectors: each tap one load of the row's
+    7 * stride + 1 values from the group's first and a shuffle of every
+    stride-th (no gathers); the other outputs one at a time."""
+    ir = m.ir
+    i32p = m.i32.as_pointer()
+    fn, b = m.function(name, [real.as_pointer()] * 2 + [i32p] + [m.i64] * 11)
+    x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw = fn.args
+    hw, out_hw = b.mul(h, w), b.mul(oh, ow)
+    lowest = ir.Constant(real, float("-inf"))
+    if stride is not None:
+        lowest_vector = ir.Constant(ir.VectorType(real, LANES), [float("-inf")] * LANES)
+        # lane t's column offset from the group's first: the shuffle's mask too
+        every = ir.Constant(ir.VectorType(m.i32, LANES), [t * stride for t in range(LANES)])
+
+    def plane(p, _):
+        xp, yp, ip = b.gep(x, [b.mul(p, hw)]), b.gep(y, [b.mul(p, out_hw)]), b.gep(idx, [b.mul(p, out_hw)])
+
+        def out_row(oy, _):
+            top = b.sub(b.mul(oy, sh), ph)
+            h0, h1 = _larger(b, top, m.const(0)), _smaller(b, b.add(top, kh), h)
+            out_row_at = b.mul(oy, ow)
+
+            def window(w0, taps, load, first):
+                """The first maximum and its index over rows h0..h1 and
+                ``taps`` columns from w0, each tap's value(s) load(index)."""
+                def window_row(r, carried):
+                    row = b.add(b.mul(b.add(h0, r), w), w0)
+
+                    def tap(q, carried):
+                        at = b.add(row, q)
+                        v, at = load(at)
+                        wins = b.fcmp_ordered(">", v, carried[0])
+                        return [b.select(wins, v, carried[0]), b.select(wins, at, carried[1])]
+                    return m.counted(b, taps, tap, carried)
+                return m.counted(b, b.sub(h1, h0), window_row, first)
+
+            def column(ox):
+                left = b.sub(b.mul(ox, sw), pw)
+                w0, w1 = _larger(b, left, m.const(0)), _smaller(b, b.add(left, kw), w)
+                best, arg = window(w0, b.sub(w1, w0), lambda at: (b.load(b.gep(xp, [at])), b.trunc(at, m.i32)),
+                                   [lowest, b.trunc(b.add(b.mul(h0, w), w0), m.i32)])
+                out = b.add(out_row_at, ox)
+                b.store(best, b.gep(yp, [out]))
+                b.store(arg, b.gep(ip, [out]))
+
+            def columns(start, stop):
+                m.counted(b, b.sub(stop, start), lambda i, _: column(b.add(start, i)))
+
+            def group(ox):
+                left = b.sub(b.mul(ox, sw), pw)
+
+                def load(at):
+                    wide = m.vector_at(b, xp, at, 7 * stride + 1)
+                    return (b.shuffle_vector(wide, ir.Constant(wide.type, ir.Undefined), every),
+                            b.add(m.spread(b, b.trunc(at, m.i32), LANES), every))
+                first = b.add(m.spread(b, b.trunc(b.add(b.mul(h0, w), left), m.i32), LANES), every)
+                best, arg = window(left, kw, load, [lowest_vector, first])
+                out = b.add(out_row_at, ox)
+                m.store_vector(b, best, yp, out)
+                m.store_vector(b, arg, ip, out)
+
+            if stride is None:
+                return columns(m.const(0), ow)
+            # outputs lo..hi have windows inside the row: left >= 0, left + kw <= w
+            lo = _smaller(b, b.sdiv(b.add(pw, m.const(stride - 1)), m.const(stride)), ow)
+            span = b.sub(b.add(w, pw), kw)
+            hi = b.select(b.icmp_signed("<", span, m.const(0)), m.const(0),
+                          _smaller(b, b.add(b.sdiv(span, m.const(stride)), m.const(1)), ow))
+            inside = b.sub(_larger(b, hi, lo), lo)
+            with b.if_else(b.icmp_signed(">=", inside, m.const(LANES))) as (vectors, scalars):
+                with vectors:
+                    columns(m.const(0), lo)
+                    m.counted(b, b.sdiv(inside, m.const(LANES)),
+                              lambda g, _: group(b.add(lo, b.mul(g, m.const(LANES)))))
+                    group(b.sub(hi, m.const(LANES)))        # the last LANES, again in part: same values
+                    columns(hi, ow)
+                with scalars:
+                    columns(m.const(0), ow)
+        m.counted(b, oh, out_row)
+    m.counted(b, planes, plane)
+    b.ret_void()
+
+
+def _backward(m, real, suffix):
+    """max_backward_<suffix>(dy, idx, dx, planes, hw, out_hw): plane by
+    plane, dx zeroed, then dx[idx] += dy output by output."""
+    ir = m.ir
+    fn, b = m.function("max_backward_" + suffix, [real.as_pointer(), m.i32.as_pointer(), real.as_pointer()]
+                       + [m.i64] * 3)
+    dy, idx, dx, planes, hw, out_hw = fn.args
+
+    def plane(p, _):
+        dyp, ip, dxp = b.gep(dy, [b.mul(p, out_hw)]), b.gep(idx, [b.mul(p, out_hw)]), b.gep(dx, [b.mul(p, hw)])
+        m.counted(b, hw, lambda i, _: b.store(ir.Constant(real, 0.0), b.gep(dxp, [i])))   # zeroed in cache
+
+        def output(q, _):
+            at = b.gep(dxp, [b.sext(b.load(b.gep(ip, [q])), m.i64)])
+            b.store(b.fadd(b.load(at), b.load(b.gep(dyp, [q]))), at)
+        m.counted(b, out_hw, output)
+    m.counted(b, planes, plane)
+    b.ret_void()
+
+
+def _ir():
+    m = llvm.Builder("caffempi_pooling", 1)
+    for real, suffix in ((m.f32, "f32"), (m.ir.DoubleType(), "f64")):
+        _forward(m, real, "max_forward_" + suffix)
+        for stride in VECTOR_STRIDES:
+            _forward(m, real, "max_forward_%s_s%d" % (suffix, stride), stride)
+        _backward(m, real, suffix)
+    return str(m.module)
+
+
+@functools.lru_cache(maxsize=None)
+def _compiled():
+    """(engine, {name: ctypes function}), or None where they do not run."""
+    engine = llvm.compile_module(_ir(), ())
+    if engine is None:
+        return None
+    kernels = {}
+    for suffix in _TYPES.values():
+        for name in ["max_forward_" + suffix] + ["max_forward_%s_s%d" % (suffix, s) for s in VECTOR_STRIDES]:
+            kernels[name] = ctypes.CFUNCTYPE(None, _P, _P, _P, *[_I] * 11)(engine.get_function_address(name))
+        kernels["max_backward_" + suffix] = ctypes.CFUNCTYPE(None, _P, _P, _P, _I, _I, _I)(
+            engine.get_function_address("max_backward_" + suffix))
+    return engine, kernels
+
+
+def available(dtype):
+    """Whether the compiled kernels run here for ``dtype`` and are allowed
+    (``CAFFEMPI_COMPILED_POOLING``, default on)."""
+    return bool(config.settings.compiled_pooling) and np.dtype(dtype) in _TYPES and _compiled() is not None
+
+
+def max_forward(x, geom, y, idx):
+    """y, idx (C-contiguous (N, C, oh, ow), idx int32) = MAX pooling of the
+    C-contiguous images x with ``geom`` (kh, kw, sh, sw, ph, pw, ...), as
+    the module says.  Call only where :func:`available`."""
+    n, c, h, w = x.shape
+    oh, ow = y.shape[2:]
+    name = "max_forward_" + _TYPES[x.dtype] + ("_s%d" % geom[3] if geom[3] in VECTOR_STRIDES else "")
+    _compiled()[1][name](x.ctypes.data, y.ctypes.data, idx.ctypes.data, n * c,
+                                                      h, w, oh, ow, *geom[:6])
+
+
+def max_backward(dy, idx, dx):
+    """dx (C-contiguous (N, C, h, w)) = the MAX pooling gradient of dy at the
+    forward's ``idx`` (C-contiguous, as dy).  Call only where
+    :func:`available`."""
+    n, c, h, w = dx.shape
+    _compiled()[1]["max_backward_" + _TYPES[dx.dtype]](dy.ctypes.data, idx.ctypes.data, dx.ctypes.data, n * c,
+                                                       h * w, dy.shape[2] * dy.shape[3])
