@@ -163,10 +163,17 @@ def available():
 # 25 = 1 x 5 x 5: 6.2 / 4.4, its tiles' stores weigh); a long one, whose
 # weight blocks leave the fast caches while the GEMMs pack their operands
 # once for many outputs (CaffeNet's conv3, 2304 = 256 x 3 x 3: 51.2 / 44.4,
-# 62.0 / 47.0; ResNet's 3x3 at 14x14: 46.8 / 41.8).
+# 62.0 / 47.0; ResNet's 3x3 at 14x14: 46.8 / 41.8).  With at most 32
+# outputs a group the GEMMs stay slow at any reduction (2026-11-25, third
+# session, 1 thread, medians of 7 alternating pairs): 1600 = 64 x 5 x 5 (the
+# data gradient of CIFAR10-quick's conv3) 8.2 / 12.2 ms, 1728 = 192 x 3 x 3
+# 17.2 / 19.3, 2400 at 16 outputs 14.7 / 17.9, 3200 10.9 / 12.3, 4608 8.5 /
+# 9.1; with 48 and 64 outputs the limit holds (1600: 14.9 / 16.5 and 18.3 /
+# 18.9; 1728 at 64: 33.4 / 29.4; 2304 at 64: 12.6 / 12.1).
 _MIN_REDUCTION = 64
 _MAX_REDUCTION = 1536
 _MAX_OUTPUTS = 64
+_FEW_OUTPUTS = 32
 
 
 def suits(cg, og, geom):
@@ -174,8 +181,9 @@ def suits(cg, og, geom):
     group and window ``geom`` runs faster by the direct kernel than by the
     GEMM kernels here (see the measurements above)."""
     kh, kw, sh, sw = geom[:4]
-    return (_MIN_REDUCTION <= cg * kh * kw <= _MAX_REDUCTION and og % OUT_BLOCK == 0
-            and (og <= _MAX_OUTPUTS or sh > 1 or sw > 1))
+    k = cg * kh * kw
+    return (k >= _MIN_REDUCTION and og % OUT_BLOCK == 0
+            and (og <= _FEW_OUTPUTS or (k <= _MAX_REDUCTION and (og <= _MAX_OUTPUTS or sh > 1 or sw > 1))))
 
 
 @functools.lru_cache(maxsize=64)

@@ -93,6 +93,7 @@ def test_used_only_where_it_suits_and_allowed(monkeypatch):
     cpu.conv2d_forward(rand((2, 1, 8, 8), 0), rand((32, 1, 5, 5), 1), (5, 5, 1, 1, 2, 2, 1, 1), 1)  # 25 taps
     assert len(calls) == 1
     assert direct.suits(3, 96, (11, 11, 4, 4)) and not direct.suits(256, 384, (3, 3, 1, 1))
+    assert direct.suits(64, 32, (5, 5, 1, 1)) and not direct.suits(256, 64, (3, 3, 1, 1))
 
 
 def test_lets_other_threads_run():
