@@ -123,11 +123,11 @@ def _forward(m, real, name, stride=None):
     b.ret_void()
 
 
-def _backward(m, real, suffix):
-    """max_backward_<suffix>(dy, idx, dx, planes, hw, out_hw): plane by
+def _backward(m, real, name):
+    """name(dy, idx, dx, planes, hw, out_hw): plane by
     plane, dx zeroed, then dx[idx] += dy output by output."""
     ir = m.ir
-    fn, b = m.function("max_backward_" + suffix, [real.as_pointer(), m.i32.as_pointer(), real.as_pointer()]
+    fn, b = m.function(name, [real.as_pointer(), m.i32.as_pointer(), real.as_pointer()]
                        + [m.i64] * 3)
     dy, idx, dx, planes, hw, out_hw = fn.args
 
@@ -143,35 +143,34 @@ def _backward(m, real, suffix):
     b.ret_void()
 
 
-def _ir():
-    m = llvm.Builder("caffempi_pooling", 1)
-    for real, suffix in ((m.f32, "f32"), (m.ir.DoubleType(), "f64")):
-        _forward(m, real, "max_forward_" + suffix)
-        for stride in VECTOR_STRIDES:
-            _forward(m, real, "max_forward_%s_s%d" % (suffix, stride), stride)
-        _backward(m, real, suffix)
-    return str(m.module)
-
-
 @functools.lru_cache(maxsize=None)
-def _compiled():
-    """(engine, {name: ctypes function}), or None where they do not run."""
-    engine = llvm.compile_module(_ir(), ())
+def _kernel(kind, dtype, stride=None):
+    """The compiled ``kind`` ("forward" or "backward") for ``dtype`` (and a
+    column stride with a vector form) as a ctypes function, each in a module
+    of its own, compiled when first asked for (the module of all of them
+    took 0.4-0.7 s, paid by every process that pools); None where it does
+    not run.  The engine owning the code is kept with the function."""
+    m = llvm.Builder("caffempi_pooling", 1)
+    real = m.f32 if dtype == "f32" else m.ir.DoubleType()
+    if kind == "forward":
+        _forward(m, real, "kernel", stride)
+        signature = ctypes.CFUNCTYPE(None, _P, _P, _P, *[_I] * 11)
+    else:
+        _backward(m, real, "kernel")
+        signature = ctypes.CFUNCTYPE(None, _P, _P, _P, _I, _I, _I)
+    engine = llvm.compile_module(str(m.module), ())
     if engine is None:
         return None
-    kernels = {}
-    for suffix in _TYPES.values():
-        for name in ["max_forward_" + suffix] + ["max_forward_%s_s%d" % (suffix, s) for s in VECTOR_STRIDES]:
-            kernels[name] = ctypes.CFUNCTYPE(None, _P, _P, _P, *[_I] * 11)(engine.get_function_address(name))
-        kernels["max_backward_" + suffix] = ctypes.CFUNCTYPE(None, _P, _P, _P, _I, _I, _I)(
-            engine.get_function_address("max_backward_" + suffix))
-    return engine, kernels
+    function = signature(engine.get_function_address("kernel"))
+    function.engine = engine
+    return function
 
 
 def available(dtype):
     """Whether the compiled kernels run here for ``dtype`` and are allowed
     (``CAFFEMPI_COMPILED_POOLING``, default on)."""
-    return bool(config.settings.compiled_pooling) and np.dtype(dtype) in _TYPES and _compiled() is not None
+    return (bool(config.settings.compiled_pooling) and np.dtype(dtype) in _TYPES
+            and _kernel("backward", _TYPES[np.dtype(dtype)]) is not None)
 
 
 def max_forward(x, geom, y, idx):
@@ -180,9 +179,9 @@ def max_forward(x, geom, y, idx):
     the module says.  Call only where :func:`available`."""
     n, c, h, w = x.shape
     oh, ow = y.shape[2:]
-    name = "max_forward_" + _TYPES[x.dtype] + ("_s%d" % geom[3] if geom[3] in VECTOR_STRIDES else "")
-    _compiled()[1][name](x.ctypes.data, y.ctypes.data, idx.ctypes.data, n * c,
-                                                      h, w, oh, ow, *geom[:6])
+    stride = geom[3] if geom[3] in VECTOR_STRIDES else None
+    _kernel("forward", _TYPES[x.dtype], stride)(x.ctypes.data, y.ctypes.data, idx.ctypes.data, n * c,
+                                                h, w, oh, ow, *geom[:6])
 
 
 def max_backward(dy, idx, dx):
@@ -190,5 +189,5 @@ def max_backward(dy, idx, dx):
     forward's ``idx`` (C-contiguous, as dy).  Call only where
     :func:`available`."""
     n, c, h, w = dx.shape
-    _compiled()[1]["max_backward_" + _TYPES[dx.dtype]](dy.ctypes.data, idx.ctypes.data, dx.ctypes.data, n * c,
-                                                       h * w, dy.shape[2] * dy.shape[3])
+    _kernel("backward", _TYPES[dx.dtype])(dy.ctypes.data, idx.ctypes.data, dx.ctypes.data, n * c,
+                                          h * w, dy.shape[2] * dy.shape[3])
