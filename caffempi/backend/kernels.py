@@ -92,6 +92,20 @@ def ave_pool_backward(xp, dy, geom, x_shape):
     return _impl(xp, "ave_pool_backward")(dy, geom, x_shape)
 
 
+def _negative_power(xp, scale, beta):
+    """scale ** -beta (scale >= k > 0).  Caffe's nets use beta = 0.75,
+    taken as 1 / sqrt(scale * sqrt(scale)): NumPy's power is scalar on
+    AVX2 (6.5 ms for CaffeNet's norm1, 0.56M values, against 0.8 for the
+    square roots), and the error stays within 2.2e-7 relative (4 roundings
+    against power's one)."""
+    if beta != 0.75:
+        return xp.power(scale, scale.dtype.type(-beta))
+    r = xp.sqrt(scale)
+    r *= scale
+    xp.sqrt(r, out=r)
+    return xp.reciprocal(r, out=r)
+
+
 def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
     """Returns (y, scale): y = x * scale**-beta with Caffe's scale."""
     pre = (size - 1) // 2
@@ -104,7 +118,7 @@ def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
         scale = _impl(xp, "spatial_window_sum")(sq, size, pre)
         scale *= x.dtype.type(alpha / (size * size))
         scale += x.dtype.type(1)
-    y = xp.power(scale, x.dtype.type(-beta))
+    y = _negative_power(xp, scale, beta)
     y *= x
     return y, scale
 
@@ -123,7 +137,7 @@ def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
         coef = 2.0 * alpha * beta / (size * size)
     acc *= x
     acc *= x.dtype.type(-coef)
-    acc += dy * xp.power(scale, x.dtype.type(-beta))
+    acc += dy * _negative_power(xp, scale, beta)
     return acc
 
 
