@@ -69,7 +69,7 @@ def test_fallback_for_other_layouts_and_types():
     assert np.array_equal(out.view(np.uint16), expected_half(x, 0.5).view(np.uint16))
     wide = np.empty(100, np.float64)
     half.from_half(out, 4.0, wide)
-    assert np.array_equal(wide, (out.astype(np.float32) * 4).astype(np.float64), equal_nan=True)
+    assert np.array_equal(wide, out.astype(np.float64) * 4, equal_nan=True)
     summed = np.empty(50, np.float16)
     half.sum_halves(out.reshape(2, 50), summed)
     assert np.array_equal(summed, (out[:50].astype(np.float32) + out[50:]).astype(np.float16), equal_nan=True)

@@ -942,7 +942,8 @@ def max_pool_forward(x, geom, oh, ow):
 def max_pool_backward(dy, idx, geom, x_shape):
     dx = np.empty(x_shape, dy.dtype)
     if pooling.available(dy.dtype):
-        return _over_images(pooling.max_backward, [np.ascontiguousarray(dy), np.ascontiguousarray(idx, np.int32)], [dx])[0]
+        inputs = [np.ascontiguousarray(dy), np.ascontiguousarray(idx, np.int32)]
+        return _over_images(pooling.max_backward, inputs, [dx])[0]
     return _over_images(lambda d, i, dxt: _max_pool_backward(d, i, geom, dxt), [dy, idx], [dx])[0]
 
 

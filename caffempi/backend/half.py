@@ -22,7 +22,10 @@ from . import llvm
 BLOCK = 32          # values a loop step (four 8-float vectors)
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-_SIGNATURES = {"to_half": (_P, _P, _I, _F), "from_half": (_P, _P, _I, _F), "sum_halves": (_P, _P, _I, _I)}
+# name: (ctypes arguments, the array types it takes in argument order)
+_KERNELS = {"to_half": ((_P, _P, _I, _F), (np.float32, np.float16)),
+            "from_half": ((_P, _P, _I, _F), (np.float16, np.float32)),
+            "sum_halves": ((_P, _P, _I, _I), (np.float16, np.float16))}
 
 
 def _elementwise(m, name, arguments, body):
@@ -72,8 +75,8 @@ def _compiled():
     engine = llvm.compile_module(_ir(), ("f16c", "avx"))
     if engine is None:
         return None
-    return engine, {name: ctypes.CFUNCTYPE(None, *types)(engine.get_function_address(name))
-                    for name, types in _SIGNATURES.items()}
+    return engine, {name: ctypes.CFUNCTYPE(None, *arguments)(engine.get_function_address(name))
+                    for name, (arguments, _) in _KERNELS.items()}
 
 
 def available():
@@ -85,8 +88,7 @@ def _kernel(name, *arrays):
     """The compiled ``name`` if every array is C-contiguous and of the
     kernel's type (float32 / float16, in argument order), else None."""
     compiled = _compiled()
-    kinds = {"to_half": (np.float32, np.float16), "from_half": (np.float16, np.float32),
-             "sum_halves": (np.float16, np.float16)}[name]
+    kinds = _KERNELS[name][1]
     if compiled is None or not all(a.flags.c_contiguous and a.dtype == k for a, k in zip(arrays, kinds)):
         return None
     return compiled[1][name]
@@ -104,12 +106,12 @@ def to_half(src, scale, out):
 
 
 def from_half(src, scale, out):
-    """np.multiply(src, np.float32(scale), out=out): float16 ``src``,
-    C-contiguous float32 ``out`` of one size, each value widened then
-    scaled."""
+    """np.multiply(src, out.dtype.type(scale), out=out): float16 ``src``,
+    C-contiguous ``out`` of one size (float32 for the kernel), each value
+    widened to out's type, then scaled."""
     kernel = _kernel("from_half", src, out)
     if kernel is None:
-        np.multiply(src.reshape(-1), np.float32(scale), out=out.reshape(-1))
+        np.multiply(src.reshape(-1), out.dtype.type(scale), out=out.reshape(-1))
     else:
         kernel(src.ctypes.data, out.ctypes.data, src.size, scale)
 

@@ -1,5 +1,6 @@
 """MAX pooling on the CPU compiled from LLVM IR (backend/llvm.py): Caffe's
-loops, one output at a time, for any window, stride and padding.
+loops for any window, stride and padding, 8 neighbouring outputs a vector
+where the column stride is 1-4.
 
 Why: the NumPy forms (backend/cpu.py) take a copy of the input into stride
 phases and a dozen passes over it to find each window's first maximum, and
@@ -124,8 +125,8 @@ def _forward(m, real, name, stride=None):
 
 
 def _backward(m, real, name):
-    """name(dy, idx, dx, planes, hw, out_hw): plane by
-    plane, dx zeroed, then dx[idx] += dy output by output."""
+    """name(dy, idx, dx, planes, hw, out_hw): plane by plane, dx zeroed,
+    then dx[idx] += dy output by output."""
     ir = m.ir
     fn, b = m.function(name, [real.as_pointer(), m.i32.as_pointer(), real.as_pointer()]
                        + [m.i64] * 3)
@@ -186,7 +187,8 @@ def max_forward(x, geom, y, idx):
 
 def max_backward(dy, idx, dx):
     """dx (C-contiguous (N, C, h, w)) = the MAX pooling gradient of dy at the
-    forward's ``idx`` (C-contiguous, as dy).  Call only where
+    ``idx`` that :func:`max_forward` wrote (C-contiguous int32, as dy; its
+    offsets are trusted to lie in the plane).  Call only where
     :func:`available`."""
     n, c, h, w = dx.shape
     _kernel("backward", _TYPES[dx.dtype])(dy.ctypes.data, idx.ctypes.data, dx.ctypes.data, n * c,
