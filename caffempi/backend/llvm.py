@@ -9,6 +9,11 @@ IR states them, and LLVM still picks the instructions for the host.
 """
 import functools
 import platform
+import threading
+
+# LLVM's context is shared by the process: one compilation at a time (the
+# kernels are compiled when first used, which may be on several threads)
+_compiling = threading.Lock()
 
 
 class Builder:
@@ -98,7 +103,13 @@ def _native():
 def compile_module(ir_text, needs):
     """An execution engine holding ``ir_text`` compiled for this CPU (it
     owns the code: keep it alive while its functions are called), or None
-    where x86-64, llvmlite or one of the CPU features ``needs`` is missing."""
+    where x86-64, llvmlite or one of the CPU features ``needs`` is missing.
+    Safe to call from several threads."""
+    with _compiling:
+        return _compile(ir_text, needs)
+
+
+def _compile(ir_text, needs):
     native = _native()
     if native is None:
         return None

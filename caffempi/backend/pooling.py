@@ -150,7 +150,9 @@ def _kernel(kind, dtype, stride=None):
     column stride with a vector form) as a ctypes function, each in a module
     of its own, compiled when first asked for (the module of all of them
     took 0.4-0.7 s, paid by every process that pools); None where it does
-    not run.  The engine owning the code is kept with the function."""
+    not run.  The engine owning the code is kept with the function.  The
+    chunks' threads may ask at once: compile_module takes one at a time,
+    and a second copy compiled meanwhile is dropped by the cache."""
     m = llvm.Builder("caffempi_pooling", 1)
     real = m.f32 if dtype == "f32" else m.ir.DoubleType()
     if kind == "forward":
