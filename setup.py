@@ -18,7 +18,8 @@ setup(
         "matplotlib>=3.7",
         "mpi4py>=4.0",
         "threadpoolctl>=3.1",
-        # the CPU's direct convolution kernel (backend/direct.py), compiled at run time
+        # the CPU kernels compiled at run time: direct convolution, MAX pooling,
+        # float16 conversions (backend/llvm.py)
         "llvmlite>=0.50",
     ],
     extras_require={

@@ -35,11 +35,12 @@ def scaled_copy_ir():
 
 
 def test_compiles_from_several_threads_at_once():
-    text, engines, errors = scaled_copy_ir(), [], []
+    text, compiled, errors = scaled_copy_ir(), [], []
+    arguments = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float]
 
     def compile_one():
         try:
-            engines.append(llvm.compile_module(text, ()))
+            compiled.append(llvm.compile_functions(text, (), {"scaled": arguments})["scaled"])
         except Exception as e:          # noqa: BLE001 (reported below)
             errors.append(e)
     workers = [threading.Thread(target=compile_one) for _ in range(4)]
@@ -47,15 +48,13 @@ def test_compiles_from_several_threads_at_once():
         w.start()
     for w in workers:
         w.join()
-    assert not errors and len(engines) == 4
+    assert not errors and len(compiled) == 4
     src = np.arange(19, dtype=np.float32)
-    for engine in engines:
+    for scaled in compiled:
         dst = np.zeros_like(src)
-        scaled = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_void_p, ctypes.c_int64, ctypes.c_float)(
-            engine.get_function_address("scaled"))
         scaled(src.ctypes.data, dst.ctypes.data, src.size, 0.5)
         np.testing.assert_array_equal(dst, src * np.float32(0.5))
 
 
 def test_missing_cpu_feature_gives_none():
-    assert llvm.compile_module(scaled_copy_ir(), ("no-such-feature",)) is None
+    assert llvm.compile_functions(scaled_copy_ir(), ("no-such-feature",), {"scaled": []}) is None

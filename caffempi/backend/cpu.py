@@ -14,13 +14,15 @@ contiguous column range of that unfolding (:func:`_conv_row_taps`,
 Single-precision forwards with few outputs a group, or strided, run the
 direct kernel of :mod:`.direct` instead, compiled for this CPU (it keeps its
 sums in registers, where these skinny GEMMs pack their operands for few
-outputs).  The full column matrix (:func:`im2col`, by strided copies with
-no loop over images or pixels) remains for vertical strides > 1, few input rows per
-product (LeNet's one-channel conv1; one matrix and product per image when
-its reduction is short, see _PER_IMAGE_MAX_K), and the data gradient's
+outputs).  The full column matrix (:func:`im2col`, by strided copies with no
+loop over images or pixels) remains for vertical strides > 1, few input rows
+per product (LeNet's one-channel conv1; one matrix and product per image
+when its reduction is short, see _PER_IMAGE_MAX_K), and the data gradient's
 GEMM + col2im.  Scratch buffers persist between calls, one set per thread (see
 :func:`_work`).  The chunks, and the images of a pooling, run on the
 intra-op threads (:mod:`caffempi.backend.threads`), BLAS at one thread.
+MAX pooling runs the compiled loops of :mod:`.pooling` where they run, the
+NumPy forms below elsewhere.
 
 History and measurements, with what was tried and not kept:
 docs/design/cpu.md

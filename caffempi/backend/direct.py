@@ -39,7 +39,6 @@ OUT_BLOCK = 2 * VECTOR
 PIXELS = 6
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
-_FORWARD = ctypes.CFUNCTYPE(None, *([_P] * 5 + [_I] * 11))
 
 
 class _Builder(llvm.Builder):
@@ -137,10 +136,10 @@ def _ir():
 
 @functools.lru_cache(maxsize=None)
 def _compiled():
-    """(engine, forward): the compiled kernel as a ctypes function (the
-    engine owns its code), or None where it does not run here."""
-    engine = llvm.compile_module(_ir(), ("avx2", "fma"))
-    return engine and (engine, _FORWARD(engine.get_function_address("forward")))
+    """The compiled kernel as a ctypes function, or None where it does not
+    run here."""
+    functions = llvm.compile_functions(_ir(), ("avx2", "fma"), {"forward": [_P] * 5 + [_I] * 11})
+    return functions and functions["forward"]
 
 
 def available():
@@ -215,7 +214,7 @@ def forward(xpad, w, geom, group, y, bias=None):
     if bias is not None:
         br[:, :og] = bias.reshape(g, og)
     koff = _offsets(cg, kh, kw, hp, wp, dh, dw)
-    kernel = _compiled()[1]
+    kernel = _compiled()
     x_image, y_image = c * hp * wp, o * oh * ow
     item = xpad.itemsize
 

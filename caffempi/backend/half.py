@@ -71,12 +71,9 @@ def _ir():
 
 @functools.lru_cache(maxsize=None)
 def _compiled():
-    """(engine, {name: ctypes function}), or None where they do not run."""
-    engine = llvm.compile_module(_ir(), ("f16c", "avx"))
-    if engine is None:
-        return None
-    return engine, {name: ctypes.CFUNCTYPE(None, *arguments)(engine.get_function_address(name))
-                    for name, (arguments, _) in _KERNELS.items()}
+    """{name: ctypes function}, or None where they do not run."""
+    return llvm.compile_functions(_ir(), ("f16c", "avx"),
+                                  {name: arguments for name, (arguments, _) in _KERNELS.items()})
 
 
 def available():
@@ -91,7 +88,7 @@ def _kernel(name, *arrays):
     kinds = _KERNELS[name][1]
     if compiled is None or not all(a.flags.c_contiguous and a.dtype == k for a, k in zip(arrays, kinds)):
         return None
-    return compiled[1][name]
+    return compiled[name]
 
 
 def to_half(src, scale, out):

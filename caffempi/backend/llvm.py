@@ -7,6 +7,7 @@ Why LLVM IR and not Numba: the kernels need a register tiling and vector
 instructions that Numba's loop vectoriser did not find (docs/design/cpu.md);
 IR states them, and LLVM still picks the instructions for the host.
 """
+import ctypes
 import functools
 import platform
 import threading
@@ -107,6 +108,21 @@ def compile_module(ir_text, needs):
     Safe to call from several threads."""
     with _compiling:
         return _compile(ir_text, needs)
+
+
+def compile_functions(ir_text, needs, signatures):
+    """{name: ctypes function} for the void functions of ``ir_text`` named
+    in ``signatures`` (name: ctypes argument types), compiled as
+    :func:`compile_module` does (None where it gives None); each function
+    holds the engine that owns its code (``.engine``)."""
+    engine = compile_module(ir_text, needs)
+    if engine is None:
+        return None
+    functions = {}
+    for name, arguments in signatures.items():
+        functions[name] = ctypes.CFUNCTYPE(None, *arguments)(engine.get_function_address(name))
+        functions[name].engine = engine
+    return functions
 
 
 def _compile(ir_text, needs):

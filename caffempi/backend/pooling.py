@@ -150,23 +150,18 @@ def _kernel(kind, dtype, stride=None):
     column stride with a vector form) as a ctypes function, each in a module
     of its own, compiled when first asked for (the module of all of them
     took 0.4-0.7 s, paid by every process that pools); None where it does
-    not run.  The engine owning the code is kept with the function.  The
-    chunks' threads may ask at once: compile_module takes one at a time,
-    and a second copy compiled meanwhile is dropped by the cache."""
+    not run.  The chunks' threads may ask at once: LLVM compiles one at a
+    time, and a second copy compiled meanwhile is dropped by the cache."""
     m = llvm.Builder("caffempi_pooling", 1)
     real = m.f32 if dtype == "f32" else m.ir.DoubleType()
     if kind == "forward":
         _forward(m, real, "kernel", stride)
-        signature = ctypes.CFUNCTYPE(None, _P, _P, _P, *[_I] * 11)
+        arguments = [_P] * 3 + [_I] * 11
     else:
         _backward(m, real, "kernel")
-        signature = ctypes.CFUNCTYPE(None, _P, _P, _P, _I, _I, _I)
-    engine = llvm.compile_module(str(m.module), ())
-    if engine is None:
-        return None
-    function = signature(engine.get_function_address("kernel"))
-    function.engine = engine
-    return function
+        arguments = [_P] * 3 + [_I] * 3
+    functions = llvm.compile_functions(str(m.module), (), {"kernel": arguments})
+    return functions and functions["kernel"]
 
 
 def available(dtype):

@@ -7,16 +7,17 @@ scale the bucket by a power of two that brings it to at most 2^14 / P, so
 that the sum of P pieces stays below float16's maximum and gradients, whose
 magnitudes (1e-5 to 1e-8) are float16's subnormals, keep float16's full
 precision (subnormals carry few bits).  The conversions and the sum are
-backend/half.py's compiled kernels (NumPy's casts were the step's cost).  The scaled bucket,
-rounded to float16, is cut into one piece per rank and the pieces are
-exchanged (``MPI_Ialltoallv``: rank r receives every rank's piece r); rank r
-adds them in float32, in rank order, rounds its summed piece to float16, and
-the pieces are gathered back (``MPI_Iallgatherv``), then unscaled (exactly:
-a power of two).  Each rank sends 2(P-1)/P of the bucket's float16 bytes,
-half of a float32 ring allreduce, and every rank ends with the same values.
-Steps are issued in bucket order on every rank (chained.ChainedTransport),
-polled by the computing thread or by a communication thread
-(``comm_thread``: make_transport's choice, as for float32 sums).
+backend/half.py's compiled kernels (NumPy's casts were the step's cost).
+The scaled bucket, rounded to float16, is cut into one piece per rank and
+the pieces are exchanged (``MPI_Ialltoallv``: rank r receives every rank's
+piece r); rank r adds them in float32, in rank order, rounds its summed
+piece to float16, and the pieces are gathered back (``MPI_Iallgatherv``),
+then unscaled (exactly: a power of two).  Each rank sends 2(P-1)/P of the
+bucket's float16 bytes, half of a float32 ring allreduce, and every rank
+ends with the same values.  Steps are issued in bucket order on every rank
+(chained.ChainedTransport), polled by the computing thread or by a
+communication thread (``comm_thread``: make_transport's choice, as for
+float32 sums).
 """
 import math
 
