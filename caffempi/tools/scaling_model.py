@@ -130,7 +130,11 @@ def link_schedule(items, beta, burst=0.0, idle_before=0.0):
 def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0,
             factors=(), gemm_rate=100e9, bytes_per_value=4, burst=0.0, weight_grad_seconds=None,
             comm_cpu_seconds_per_byte=0.0, sum_link=None):
-    """Step seconds and exposed seconds for n ranks; ``jitter`` is the
+    """Step seconds and exposed seconds for n ranks from one rank's
+    ``profile`` (forward_ms; layers with backward_ms and params; step_ms,
+    the whole measured step, else compute_ms: forward, backward and update
+    without zeroing the diffs, which takes 30 ms of CaffeNet's 1.1 s, so
+    the step is preferred); ``jitter`` is the
     per-rank independent step-time sigma in seconds (the straggler term);
     ``factors``: the indices of the layers using sufficient factors (their
     layer records carry ``factors``: (M, N, K)); ``bytes_per_value``: 2 for
@@ -149,7 +153,8 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
             return 2.0 * rows * m * k / gemm_rate
     fwd = profile["forward_ms"] / 1e3
     bwd = sum(L["backward_ms"] for L in profile["layers"]) / 1e3
-    other = max(0.0, profile["compute_ms"] / 1e3 - fwd - bwd)   # update, bookkeeping
+    # the rest of the measured step: zeroing the diffs, the update, bookkeeping
+    other = max(0.0, profile.get("step_ms", profile["compute_ms"]) / 1e3 - fwd - bwd)
     if n <= 1:
         return fwd + bwd + other, 0.0
     layers, gathers, gemm = [], [], 0.0
@@ -625,7 +630,7 @@ def _main(a):
     rows_by_net = {}
     for name, runs in bench.items():
         base = runs["independent"]["raw"]
-        profile = {k: float(np.mean([r[k] for r in base])) for k in ("forward_ms", "compute_ms")}
+        profile = {k: float(np.mean([r[k] for r in base])) for k in ("forward_ms", "compute_ms", "step_ms")}
         profile["layers"] = [dict(L, backward_ms=float(np.mean([r["layers"][i]["backward_ms"] for r in base])))
                              for i, L in enumerate(base[0]["layers"])]
         mpi_runs = [r for m, run in runs.items() if m != "independent" for r in run["raw"]]
