@@ -39,8 +39,11 @@ MODES = {"blocking": ("blocking", "off", "fp32"), "overlap": ("overlap", "off", 
 
 
 def slot_seconds(a, net):
-    """A turn's seconds: several steps of the net in every mode (a CaffeNet
-    step takes 1.1-1.9 s at 100 Mbit/s with the defaults)."""
+    """A turn's seconds: several steps of the net (a CaffeNet step takes
+    1.1-1.9 s with the defaults).  Where the whole gradient crosses a slow
+    link a step is longer than that (CaffeNet blocking and overlap at 100
+    Mbit/s: 22 s), so pass --slot 30 --startup 90 there: a turn that holds
+    a step, and a start-up that holds the warm-up steps."""
     return a.slot or {"lenet": 0.8, "cifar10_quick": 3.0}.get(net, 10.0)
 
 
@@ -115,7 +118,8 @@ def main():
                                / (a.slots * slot_seconds(a, net)))
                     if overran > 0.05:
                         print("    warning: steps ran into the other kind's slots for %.0f%% of their time, "
-                              "slowing it; pass a --slot longer than a step" % (100 * overran))
+                              "slowing it; pass a --slot longer than a step and a --startup that holds the "
+                              "warm-up" % (100 * overran))
                     results.append({"net": net, "rate": rate, "mode": mode, "efficiency": eff,
                                     "images_per_s": s["images_per_s"], "step_ms": s["step_ms"],
                                     "pair_images_per_s": pair["images_per_s"], "pair_step_ms": pair["step_ms"],
