@@ -19,13 +19,14 @@ _compiling = threading.Lock()
 
 class Builder:
     """Writes a module's functions: shared types and the IR idioms the
-    kernels use (a function, a counted loop, a vector load, a broadcast)."""
+    kernels use (a function, a counted loop, a vector load, a broadcast,
+    integer minimum and maximum)."""
 
     def __init__(self, name, lanes):
         import llvmlite.ir as ir
         self.ir = ir
         self.lanes = lanes
-        self.f32, self.f16 = ir.FloatType(), ir.HalfType()
+        self.f64, self.f32, self.f16 = ir.DoubleType(), ir.FloatType(), ir.HalfType()
         self.i64, self.i32, self.i16 = ir.IntType(64), ir.IntType(32), ir.IntType(16)
         self.vec = ir.VectorType(self.f32, lanes)
         self.fp, self.hp, self.ip = self.f32.as_pointer(), self.f16.as_pointer(), self.i64.as_pointer()
@@ -33,6 +34,16 @@ class Builder:
 
     def const(self, v):
         return self.ir.Constant(self.i64, v)
+
+    @staticmethod
+    def smaller(b, a, c):
+        """The smaller of signed integers ``a`` and ``c``."""
+        return b.select(b.icmp_signed("<", a, c), a, c)
+
+    @staticmethod
+    def larger(b, a, c):
+        """The larger of signed integers ``a`` and ``c``."""
+        return b.select(b.icmp_signed(">", a, c), a, c)
 
     def function(self, name, arguments, internal=False):
         """void name(``arguments``: IR types; pointers are noalias), and a

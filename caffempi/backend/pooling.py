@@ -30,14 +30,6 @@ LANES = 8                       # outputs a vector
 VECTOR_STRIDES = (1, 2, 3, 4)   # column strides with a vector kernel of their own
 
 
-def _smaller(b, a, c):
-    return b.select(b.icmp_signed("<", a, c), a, c)
-
-
-def _larger(b, a, c):
-    return b.select(b.icmp_signed(">", a, c), a, c)
-
-
 def _forward(m, real, name, stride=None):
     """name(x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw); with
     ``stride`` (sw == stride), LANES neighbouring outputs whose windows lie
@@ -60,7 +52,7 @@ def _forward(m, real, name, stride=None):
 
         def out_row(oy, _):
             top = b.sub(b.mul(oy, sh), ph)
-            h0, h1 = _larger(b, top, m.const(0)), _smaller(b, b.add(top, kh), h)
+            h0, h1 = m.larger(b, top, m.const(0)), m.smaller(b, b.add(top, kh), h)
             out_row_at = b.mul(oy, ow)
 
             def window(w0, taps, load, first):
@@ -79,7 +71,7 @@ def _forward(m, real, name, stride=None):
 
             def column(ox):
                 left = b.sub(b.mul(ox, sw), pw)
-                w0, w1 = _larger(b, left, m.const(0)), _smaller(b, b.add(left, kw), w)
+                w0, w1 = m.larger(b, left, m.const(0)), m.smaller(b, b.add(left, kw), w)
                 best, arg = window(w0, b.sub(w1, w0), lambda at: (b.load(b.gep(xp, [at])), b.trunc(at, m.i32)),
                                    [lowest, b.trunc(b.add(b.mul(h0, w), w0), m.i32)])
                 out = b.add(out_row_at, ox)
@@ -105,11 +97,11 @@ def _forward(m, real, name, stride=None):
             if stride is None:
                 return columns(m.const(0), ow)
             # outputs lo..hi have windows inside the row: left >= 0, left + kw <= w
-            lo = _smaller(b, b.sdiv(b.add(pw, m.const(stride - 1)), m.const(stride)), ow)
+            lo = m.smaller(b, b.sdiv(b.add(pw, m.const(stride - 1)), m.const(stride)), ow)
             span = b.sub(b.add(w, pw), kw)
             hi = b.select(b.icmp_signed("<", span, m.const(0)), m.const(0),
-                          _smaller(b, b.add(b.sdiv(span, m.const(stride)), m.const(1)), ow))
-            inside = b.sub(_larger(b, hi, lo), lo)
+                          m.smaller(b, b.add(b.sdiv(span, m.const(stride)), m.const(1)), ow))
+            inside = b.sub(m.larger(b, hi, lo), lo)
             with b.if_else(b.icmp_signed(">=", inside, m.const(LANES))) as (vectors, scalars):
                 with vectors:
                     columns(m.const(0), lo)
@@ -153,7 +145,7 @@ def _kernel(kind, dtype, stride=None):
     not run.  The chunks' threads may ask at once: LLVM compiles one at a
     time, and a second copy compiled meanwhile is dropped by the cache."""
     m = llvm.Builder("caffempi_pooling", 1)
-    real = m.f32 if dtype == "f32" else m.ir.DoubleType()
+    real = m.f32 if dtype == "f32" else m.f64
     if kind == "forward":
         _forward(m, real, "kernel", stride)
         arguments = [_P] * 3 + [_I] * 11
