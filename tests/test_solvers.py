@@ -230,8 +230,9 @@ def test_lr_policies(policy):
     for it in range(10):
         rate, step = lr_policy.learning_rate(sp, it, step, info=lambda *a: None)
         assert rate == pytest.approx(ref_lr(sp, it, state), rel=1e-6)
-    # and inside training (SGD with momentum follows the policy)
-    check(BASE + 'type: "SGD" momentum: 0.5 max_iter: 10 ' + policy, iters=6)
+    # and inside training (SGD with momentum follows the policy), with
+    # multipliers that differ by param: the per-element rates follow the rate
+    check(BASE + 'type: "SGD" momentum: 0.5 max_iter: 10 ' + policy, iters=6, **MULTS)
 
 
 def test_iter_size_clip_gradients_and_l1():

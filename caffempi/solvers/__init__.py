@@ -32,10 +32,8 @@ class NesterovSolver(SGDSolver):
     type = "Nesterov"
 
     def compute_update_value(self, rate):
-        if getattr(self, "_update", None) is None:
-            self._update = self.xp.zeros_like(self._tmp)
         updates.nesterov(self.xp, self.net.param_diff, self.history[0], self._tmp,
-                         self.local_rate(rate), self.param.momentum, self._update)
+                         self.local_rate(rate), self.param.momentum, self.scratch())
 
 
 class AdaGradSolver(SGDSolver):
@@ -74,7 +72,7 @@ class AdaDeltaSolver(SGDSolver):
 
     def compute_update_value(self, rate):
         updates.adadelta(self.xp, self.net.param_diff, self.history[0], self.history[1], self._tmp,
-                         self.local_rate(rate), self.param.momentum, self.param.delta)
+                         self.local_rate(rate), self.param.momentum, self.param.delta, self.scratch())
 
 
 class AdamSolver(SGDSolver):

@@ -325,22 +325,42 @@ class Solver:
             raise CaffeError(str(e)) from None
 
     # -------------------------------------------------------------- buffers
-    def _expand(self, mults):
-        """One float32 scalar when all params share a multiplier, else a flat
-        vector with each param's multiplier over its slice."""
-        mults = [float(m) for m in mults]
-        if not mults or all(m == mults[0] for m in mults):
-            return f32(mults[0] if mults else 1.0)
-        counts = [b.count for b in self.net.learnable_params]
-        vec = np.repeat(np.asarray(mults, np.float32), counts)
-        return self.xp.asarray(vec)
-
     def _init_buffers(self):
         xp, n = self.xp, self.net.param_data.size
         self.history = [xp.zeros(n, np.float32) for _ in range(self.num_history)]
         self._tmp = xp.zeros(n, np.float32)
-        self.lr_mult = self._expand(self.net.param_lr_mults)
-        self.decay_mult = self._expand(self.net.param_decay_mults)
+        # per name: each param's multiplier, and the factor and vector last used
+        self._scaled = {name: [[f32(m) for m in mults], None, None] for name, mults in
+                        (("rate", self.net.param_lr_mults), ("decay", self.net.param_decay_mults))}
+
+    def scratch(self):
+        """A second scratch buffer of the params' length, for the rules that
+        need one (Nesterov, AdaDelta: Caffe's update_), made on first use."""
+        if getattr(self, "_scratch", None) is None:
+            self._scratch = self.xp.zeros_like(self._tmp)
+        return self._scratch
+
+    def _scaled_mults(self, name, factor):
+        """``factor`` times each param's multiplier (``name``: rate or decay),
+        float32 products as Caffe's local_rate and local_decay: one scalar
+        when all params share a multiplier, else a flat vector of each
+        param's product over its slice.  The vector is one buffer, filled
+        again only when ``factor`` changes: a fresh vector each step is a
+        fresh mapping (CaffeNet's 244 MB) whose page faults the update paid."""
+        factor = f32(factor)
+        cached = self._scaled[name]
+        mults = cached[0]
+        if not mults or all(m == mults[0] for m in mults):
+            return factor * (mults[0] if mults else f32(1))
+        if cached[2] is None:
+            cached[2] = self.xp.empty(self.net.param_data.size, np.float32)
+        if cached[1] != factor:
+            start = 0
+            for mult, blob in zip(mults, self.net.learnable_params):
+                cached[2][start:start + blob.count] = factor * mult
+                start += blob.count
+            cached[1] = factor
+        return cached[2]
 
     # --------------------------------------------------------------- update
     def get_learning_rate(self):
@@ -369,10 +389,7 @@ class Solver:
         wd = f32(self.param.weight_decay)
         if not wd:
             return
-        cached = getattr(self, "_local_decay", None)
-        if cached is None or cached[0] != wd:
-            cached = self._local_decay = (wd, wd * self.decay_mult)
-        local_decay = cached[1]
+        local_decay = self._scaled_mults("decay", wd)
         if np.ndim(local_decay) == 0 and not local_decay:
             return
         xp, data, diff, tmp = self.xp, self.net.param_data, self.net.param_diff, self._tmp
@@ -389,7 +406,7 @@ class Solver:
         raise NotImplementedError
 
     def local_rate(self, rate):
-        return f32(rate) * self.lr_mult
+        return self._scaled_mults("rate", rate)
 
     @property
     def lr(self):

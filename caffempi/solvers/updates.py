@@ -37,12 +37,10 @@ def sgd(xp, diff, hist, tmp, local_rate, momentum):
     diff[...] = hist
 
 
-def nesterov(xp, diff, hist, tmp, local_rate, momentum, update=None):
+def nesterov(xp, diff, hist, tmp, local_rate, momentum, update):
+    """``update``: scratch of the length of ``diff`` (Caffe's update_)."""
     m = f32(momentum)
-    if update is None:
-        update = hist.copy()                   # history saved for stepping back
-    else:
-        update[...] = hist
+    update[...] = hist                         # history saved for stepping back
     axpby(xp, local_rate, diff, m, hist, tmp)  # update history
     # diff = (1 + m) * h - m * update
     xp.multiply(hist, f32(1) + m, out=diff)
@@ -75,12 +73,13 @@ def rmsprop(xp, diff, hist, tmp, local_rate, rms_decay, delta):
     rms_step(xp, diff, hist, delta, local_rate, tmp, diff)
 
 
-def adadelta(xp, diff, hist_g, hist_u, tmp, local_rate, momentum, delta):
+def adadelta(xp, diff, hist_g, hist_u, tmp, local_rate, momentum, delta, upd):
+    """``upd``: scratch of the length of ``diff`` (Caffe's update_)."""
     m = f32(momentum)
     dl = f32(delta)
     mean_square(xp, diff, m, hist_g, tmp)          # history of gradients
     # sqrt((hu + delta) / (hg + delta))
-    upd = hist_u + dl
+    xp.add(hist_u, dl, out=upd)
     xp.add(hist_g, dl, out=tmp)
     xp.divide(upd, tmp, out=upd)
     xp.sqrt(upd, out=upd)
@@ -101,4 +100,8 @@ def adam(xp, diff, m1, v, tmp, local_rate, beta1, beta2, delta, t):
     corr = adam_correction(beta1, beta2, t)
     axpby(xp, f32(1) - b1, diff, b1, m1, tmp)      # m = (1-b1) g + b1 m
     mean_square(xp, diff, b2, v, tmp)               # v = (1-b2) g^2 + b2 v
-    rms_step(xp, m1, v, delta, local_rate * corr, tmp, diff)
+    if np.ndim(local_rate):                         # g is free now: the rates go there
+        local_rate = xp.multiply(local_rate, corr, out=diff)
+    else:
+        local_rate = local_rate * corr
+    rms_step(xp, m1, v, delta, local_rate, tmp, diff)
