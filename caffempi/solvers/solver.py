@@ -329,9 +329,12 @@ class Solver:
         xp, n = self.xp, self.net.param_data.size
         self.history = [xp.zeros(n, np.float32) for _ in range(self.num_history)]
         self._tmp = xp.zeros(n, np.float32)
-        # per name: each param's multiplier, and the factor and vector last used
-        self._scaled = {name: [[f32(m) for m in mults], None, None] for name, mults in
-                        (("rate", self.net.param_lr_mults), ("decay", self.net.param_decay_mults))}
+        # per name: the params' common multiplier, else each param's
+        self._mults = {}
+        for name, mults in (("rate", self.net.param_lr_mults), ("decay", self.net.param_decay_mults)):
+            mults = [f32(m) for m in mults] or [f32(1)]
+            self._mults[name] = mults[0] if all(m == mults[0] for m in mults) else mults
+        self._scaled = {}       # name -> (factor, the vector of its products)
 
     def scratch(self):
         """A second scratch buffer of the params' length, for the rules that
@@ -345,22 +348,24 @@ class Solver:
         float32 products as Caffe's local_rate and local_decay: one scalar
         when all params share a multiplier, else a flat vector of each
         param's product over its slice.  The vector is one buffer, filled
-        again only when ``factor`` changes: a fresh vector each step is a
-        fresh mapping (CaffeNet's 244 MB) whose page faults the update paid."""
+        again only when ``factor`` changes: a new one every step would cost
+        a pass and, where the allocator is not tuned as train tunes it, a
+        fresh mapping (CaffeNet's 244 MB) to page in."""
         factor = f32(factor)
-        cached = self._scaled[name]
-        mults = cached[0]
-        if not mults or all(m == mults[0] for m in mults):
-            return factor * (mults[0] if mults else f32(1))
-        if cached[2] is None:
-            cached[2] = self.xp.empty(self.net.param_data.size, np.float32)
-        if cached[1] != factor:
-            start = 0
-            for mult, blob in zip(mults, self.net.learnable_params):
-                cached[2][start:start + blob.count] = factor * mult
-                start += blob.count
-            cached[1] = factor
-        return cached[2]
+        mults = self._mults[name]
+        if not isinstance(mults, list):
+            return factor * mults
+        last, vec = self._scaled.get(name, (None, None))
+        if last == factor:
+            return vec
+        if vec is None:
+            vec = self.xp.empty(self.net.param_data.size, np.float32)
+        start = 0
+        for mult, blob in zip(mults, self.net.learnable_params):
+            vec[start:start + blob.count] = factor * mult
+            start += blob.count
+        self._scaled[name] = (factor, vec)
+        return vec
 
     # --------------------------------------------------------------- update
     def get_learning_rate(self):
