@@ -96,9 +96,10 @@ def _world_and_net(args, comm):
 
 
 def _update(net, lr):
-    """data -= lr * diff in place: a temporary of the gradient's size is a
-    fresh mapping each step (CaffeNet's 244 MB) whose page faults cost
-    40-480 ms a step here, and more in the 2-host job than in the pair."""
+    """data -= lr * diff in place, as the solvers update: no temporary of
+    the gradient's size (CaffeNet's 244 MB), which before the allocator was
+    tuned here was a fresh mapping each step, 40-480 ms of page faults and
+    more in the 2-host job than in the pair."""
     net.param_diff *= lr
     net.param_data -= net.param_diff
 

@@ -335,11 +335,12 @@ class Solver:
             mults = [f32(m) for m in mults] or [f32(1)]
             self._mults[name] = mults[0] if all(m == mults[0] for m in mults) else mults
         self._scaled = {}       # name -> (factor, the vector of its products)
+        self._scratch = None    # scratch(), made on first use
 
     def scratch(self):
         """A second scratch buffer of the params' length, for the rules that
         need one (Nesterov, AdaDelta: Caffe's update_), made on first use."""
-        if getattr(self, "_scratch", None) is None:
+        if self._scratch is None:
             self._scratch = self.xp.zeros_like(self._tmp)
         return self._scratch
 
@@ -360,10 +361,8 @@ class Solver:
             return vec
         if vec is None:
             vec = self.xp.empty(self.net.param_data.size, np.float32)
-        start = 0
-        for mult, blob in zip(mults, self.net.learnable_params):
-            vec[start:start + blob.count] = factor * mult
-            start += blob.count
+        for mult, blob, off in zip(mults, self.net.learnable_params, self.net.param_offsets):
+            vec[off:off + blob.count] = factor * mult
         self._scaled[name] = (factor, vec)
         return vec
 
