@@ -106,23 +106,32 @@ def gather_time(nbytes, n, alpha, beta):
     return (n - 1) * alpha + (n - 1) * nbytes * beta if n > 1 else 0.0
 
 
-def link_schedule(items, beta, burst=0.0, idle_before=0.0):
+def link_intervals(items, beta, burst=0.0, idle_before=0.0):
     """Run ``items`` (ready time, latency seconds, bytes a rank sends, is a
-    factor gather) through one link, one after another in ready order; returns
-    (end of the last item, end of the last gather).  ``burst``: the link's
-    token bucket in bytes (tc's tbf ``burst``; 0 for a plain link): after an
-    idle spell it sends up to ``burst`` bytes at once, refilled at the link
-    rate while idle (``idle_before``: seconds idle before time 0)."""
-    link_end = gathers_end = 0.0
+    factor gather) through one link, one after another in ready order;
+    yields (first byte's time, end, item) in the order they cross.
+    ``burst``: the link's token bucket in bytes (tc's tbf ``burst``; 0 for a
+    plain link): after an idle spell it sends up to ``burst`` bytes at once,
+    refilled at the link rate while idle (``idle_before``: seconds idle
+    before time 0)."""
+    link_end = 0.0
     tokens = min(burst, idle_before / beta) if burst else 0.0
-    for ready, latency, nbytes, is_gather in sorted(items):
+    for item in sorted(items):
+        ready, latency, nbytes, _ = item
         start = max(link_end, ready)
         if burst:
             tokens = min(burst, tokens + (start - link_end) / beta)
         free = min(tokens, nbytes)
         tokens -= free
         link_end = start + latency + (nbytes - free) * beta
-        if is_gather:
+        yield start + latency, link_end, item
+
+
+def link_schedule(items, beta, burst=0.0, idle_before=0.0):
+    """(end of the last item, end of the last gather) of link_intervals."""
+    link_end = gathers_end = 0.0
+    for _, link_end, item in link_intervals(items, beta, burst, idle_before):
+        if item[3]:
             gathers_end = link_end
     return link_end, gathers_end
 
@@ -145,7 +154,9 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
     its FLOPs at ``gemm_rate``; ``comm_cpu_seconds_per_byte``: what the
     transport's work costs the computing thread per byte of gradient summed
     (measure_comm_cost: polls, or a communication thread's share of the
-    cores), added to the step; ``sum_link``: (alpha, beta per float32 byte)
+    cores), which stretches backward by that cost for the bytes that cross
+    while backward runs (those after it cross while the thread only waits;
+    the link's beta already holds the transport's own work); ``sum_link``: (alpha, beta per float32 byte)
     of the bucket sums where they are not a plain ring on the link (the
     float16 transport, conversions included: calibrate)."""
     if weight_grad_seconds is None:
@@ -167,7 +178,6 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
             gemm += weight_grad_seconds(n * m, nn, k, False)
         layers.append(L)
     bwd = sum(L["backward_ms"] for L in layers) / 1e3
-    other += comm_cpu_seconds_per_byte * sum(L["params"] for L in layers) * 4
     # the link's bytes (or their time's equivalent) per float32 byte of gradient
     sum_alpha, scale = (alpha, bytes_per_value / 4.0) if sum_link is None else (sum_link[0], sum_link[1] / beta)
 
@@ -182,13 +192,23 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
         items = [gather(bwd, b) for _, b in gathers]
         items.append(ring(bwd + 1e-12, sum(L["params"] for L in layers) * 4))
     else:
-        # the link's work in the order backward makes it ready
-        ready_at, t = {}, 0.0
-        for L in sorted(layers, key=lambda L: -L["index"]):
-            t += L["backward_ms"] / 1e3
-            ready_at[L["index"]] = t
-        items = [ring(ready, nb) for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
-        items += [gather(ready_at[i], b) for i, b in gathers]
+        # the link's work in the order backward makes it ready, backward
+        # stretched by the transport's cost for what crosses during it (a
+        # fixed point: a longer backward lets more cross during it)
+        ring_bytes_per_gradient_byte = 2.0 * (n - 1) / n * scale
+        base_bwd, stretch = bwd, 1.0
+        for _ in range(1 if not comm_cpu_seconds_per_byte else 8):
+            ready_at, t = {}, 0.0
+            for L in sorted(layers, key=lambda L: -L["index"]):
+                t += stretch * L["backward_ms"] / 1e3
+                ready_at[L["index"]] = t
+            bwd = stretch * base_bwd
+            items = [ring(stretch * ready, nb) for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
+            items += [gather(ready_at[i], b) for i, b in gathers]
+            during = sum(nbytes * min(1.0, max(0.0, (bwd - first) / max(end - first, 1e-12)))
+                         for first, end, (_, _, nbytes, is_gather) in link_intervals(items, beta, burst, fwd + other)
+                         if not is_gather) / ring_bytes_per_gradient_byte
+            stretch = 1.0 + comm_cpu_seconds_per_byte * during / max(base_bwd, 1e-12)
     link_end, gathers_end = link_schedule(items, beta, burst, idle_before=fwd + other)
     finish = max(bwd, gathers_end) + gemm if gathers else bwd
     exposed = max(0.0, max(finish, link_end) - bwd) + jitter * expected_max_normal(n)
