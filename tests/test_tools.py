@@ -252,15 +252,20 @@ def test_scaling_model_straggler_term():
     assert with_jitter - base == pytest.approx(1e-3 * e(64))
 
 
+def _fc6_profile(conv_params):
+    """A conv layer under CaffeNet's fc6 at 8 rows a rank (fc6 may use factors)."""
+    layers = [{"name": "conv", "index": 0, "backward_ms": 50.0, "params": conv_params},
+              {"name": "fc6", "index": 1, "backward_ms": 20.0, "params": 4096 * 9216 + 4096,
+               "factors": [8, 4096, 9216]}]
+    return {"forward_ms": 30.0, "compute_ms": 110.0, "layers": layers}
+
+
 def test_scaling_model_sufficient_factors():
     """A 4096 x 9216 layer at 8 rows a rank on 2 ranks over 1 Gbit/s: its
     151 MB weight gradient becomes 0.4 MB of factors a rank and one GEMM
     over both ranks' rows after backward, in place of its own dW product."""
     gemm = 100e9
-    layers = [{"name": "conv", "index": 0, "backward_ms": 50.0, "params": 1000},
-              {"name": "fc6", "index": 1, "backward_ms": 20.0, "params": 4096 * 9216 + 4096,
-               "factors": [8, 4096, 9216]}]
-    prof = {"forward_ms": 30.0, "compute_ms": 110.0, "layers": layers}
+    prof = _fc6_profile(conv_params=1000)
     alpha, beta = 50e-6, 8 / 1e9
     full = scaling_model.predict(prof, 2, alpha, beta, "overlap", gemm_rate=gemm)
     sfb = scaling_model.predict(prof, 2, alpha, beta, "overlap", factors={1}, gemm_rate=gemm)
@@ -281,6 +286,23 @@ def test_scaling_model_sufficient_factors():
         {"name": "ip", "index": 0, "backward_ms": 1.0, "params": 5010, "factors": [64, 10, 500]}]}
     assert scaling_model.factor_choice(tiny, 2, 20e-6, 1 / 10e9, gemm) == set()
     assert gather < 0.01 and bias_and_conv < 0.001
+
+
+def test_scaling_model_transport_cost_during_the_factor_gemm():
+    """The GEMM that forms a factor layer's weight after backward computes
+    too: a sum crossing meanwhile stretches it by the transport's share."""
+    gemm = 100e9
+    prof = _fc6_profile(conv_params=2000000)
+    alpha, beta = 50e-6, 8 / 10e9
+    base = scaling_model.predict(prof, 2, alpha, beta, "overlap", factors={1}, gemm_rate=gemm)
+    costly = scaling_model.predict(prof, 2, alpha, beta, "overlap", factors={1}, gemm_rate=gemm,
+                                   comm_cpu_seconds_per_byte=0.5 * beta)
+    # fc6's bias: a bucket summed inside backward; conv's 8 MB: a bucket
+    # ready when backward ends, summed (6.4 ms) inside the 12 ms GEMM
+    bias = scaling_model.ring_time(4096 * 4, 2, alpha, beta)
+    conv = scaling_model.ring_time(2000000 * 4, 2, alpha, beta)
+    assert conv < 2.0 * 16 * 4096 * 9216 / gemm      # the GEMM over both ranks' rows
+    assert costly[0] - base[0] == pytest.approx(0.5 * (bias + conv))
 
 
 def test_scaling_model_token_bucket_link():
@@ -329,22 +351,27 @@ def test_scaling_model_measured_weight_gradient_time():
 
 def test_scaling_model_transport_cost_to_the_computing_thread():
     """A transport's work (polls, or a communication thread sharing the
-    cores) lands on the computing thread while backward runs: its measured
-    cost per byte of gradient summed stretches backward for the bytes that
-    cross during it, and costs nothing for those that cross after it (the
+    cores) lands on the computing thread while that computes: its measured
+    cost per byte of gradient summed, taken as a share of the time the
+    transport works on a sum (latency included), stretches backward by that
+    share of the link's work during it, and costs nothing after it (the
     thread only waits then).  Each overlapped mode of benchmarks/cluster.py
     has its transport measured (auto across hosts: the communication
     thread)."""
     prof = _profile()
-    base = scaling_model.predict(prof, 2, 5e-6, 1e-9, "overlap")
-    costly = scaling_model.predict(prof, 2, 5e-6, 1e-9, "overlap", comm_cpu_seconds_per_byte=2e-9)
-    # ip's 1.6 MB bucket crosses inside backward; conv's, ready at its end, after it
-    assert costly[0] - base[0] == pytest.approx(2e-9 * 400000 * 4)
-    assert costly[1] == pytest.approx(base[1])
-    # on a link 100 times slower ip's bucket crosses almost all after backward
-    slow = scaling_model.predict(prof, 2, 5e-6, 1e-7, "overlap")
-    slow_costly = scaling_model.predict(prof, 2, 5e-6, 1e-7, "overlap", comm_cpu_seconds_per_byte=2e-9)
-    assert 0 < slow_costly[0] - slow[0] < 0.05 * 2e-9 * 400000 * 4
+    alpha = 5e-6
+    for beta in (1e-9, 1e-7):
+        base = scaling_model.predict(prof, 2, alpha, beta, "overlap")
+        # a share of 0.5: half a second of compute lost a second of the link's work
+        costly = scaling_model.predict(prof, 2, alpha, beta, "overlap", comm_cpu_seconds_per_byte=0.5 * beta)
+        ip_sum = scaling_model.ring_time(400000 * 4, 2, alpha, beta)
+        if beta == 1e-9:
+            # ip's 1.6 MB bucket crosses inside backward; conv's, ready at its end, after it
+            assert costly[0] - base[0] == pytest.approx(0.5 * ip_sum)
+            assert costly[1] == pytest.approx(base[1])
+        else:
+            # a link 100 times slower: ip's sum crosses almost all after backward
+            assert 0 < costly[0] - base[0] < 0.05 * 0.5 * ip_sum
     sys.path.insert(0, str(REPO / "benchmarks"))
     try:
         import cluster as cluster_bench

@@ -32,6 +32,11 @@ bucket: after an idle spell its ``burst`` bytes leave at once, then the
 rate (link_schedule).  A factor layer's weight gradient at a few rows is
 bound by writing its M x N result, not by its FLOPs, so its time is
 measured (sfb.measure_weight_grad_seconds) for the emulated-host report.
+A transport's own work on a rank's cores (polls, a communication thread)
+costs compute while a sum is under way (measure_comm_cost, per byte of a
+long sum, hence a share of the sum's time); it stretches backward and the
+factor GEMM by that share of the link's work during them, latency
+included, and costs nothing while the computing thread only waits.
 
     python tools/scaling_model.py --calibrate           # alpha/beta for shared memory, 2 ranks
     python tools/scaling_model.py --bench bench.json --validate --plot scaling.png
@@ -153,10 +158,12 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
     factor layer's weight gradient (sfb.measure_weight_grad_seconds), else
     its FLOPs at ``gemm_rate``; ``comm_cpu_seconds_per_byte``: what the
     transport's work costs the computing thread per byte of gradient summed
-    (measure_comm_cost: polls, or a communication thread's share of the
-    cores), which stretches backward by that cost for the bytes that cross
-    while backward runs (those after it cross while the thread only waits;
-    the link's beta already holds the transport's own work); ``sum_link``: (alpha, beta per float32 byte)
+    (measure_comm_cost, on a long sum: polls, or a communication thread's
+    share of the cores), taken as a share of the time the transport works
+    on a sum, latency included, which stretches backward and the factor GEMM
+    after it by that share of the link's work while they run (what crosses
+    after them costs nothing: the thread only waits; the link's beta
+    already holds the transport's own work); ``sum_link``: (alpha, beta per float32 byte)
     of the bucket sums where they are not a plain ring on the link (the
     float16 transport, conversions included: calibrate)."""
     if weight_grad_seconds is None:
@@ -192,25 +199,40 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
         items = [gather(bwd, b) for _, b in gathers]
         items.append(ring(bwd + 1e-12, sum(L["params"] for L in layers) * 4))
     else:
-        # the link's work in the order backward makes it ready, backward
-        # stretched by the transport's cost for what crosses during it (a
-        # fixed point: a longer backward lets more cross during it)
-        ring_bytes_per_gradient_byte = 2.0 * (n - 1) / n * scale
-        base_bwd, stretch = bwd, 1.0
-        for _ in range(1 if not comm_cpu_seconds_per_byte else 8):
-            ready_at, t = {}, 0.0
-            for L in sorted(layers, key=lambda L: -L["index"]):
-                t += stretch * L["backward_ms"] / 1e3
-                ready_at[L["index"]] = t
-            bwd = stretch * base_bwd
-            items = [ring(stretch * ready, nb) for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
-            items += [gather(ready_at[i], b) for i, b in gathers]
-            during = sum(nbytes * min(1.0, max(0.0, (bwd - first) / max(end - first, 1e-12)))
-                         for first, end, (_, _, nbytes, is_gather) in link_intervals(items, beta, burst, fwd + other)
-                         if not is_gather) / ring_bytes_per_gradient_byte
-            stretch = 1.0 + comm_cpu_seconds_per_byte * during / max(base_bwd, 1e-12)
-    link_end, gathers_end = link_schedule(items, beta, burst, idle_before=fwd + other)
-    finish = max(bwd, gathers_end) + gemm if gathers else bwd
+        # the link's work in the order backward makes it ready
+        ready_at, t = {}, 0.0
+        for L in sorted(layers, key=lambda L: -L["index"]):
+            t += L["backward_ms"] / 1e3
+            ready_at[L["index"]] = t
+        items = [ring(ready, nb) for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
+        items += [gather(ready_at[i], b) for i, b in gathers]
+    if mode == "blocking" or not comm_cpu_seconds_per_byte:
+        link_end, gathers_end = link_schedule(items, beta, burst, idle_before=fwd + other)
+        finish = max(bwd, gathers_end) + gemm if gathers else bwd
+    else:
+        # The cost a byte was measured on a long sum: as a share of the time
+        # the transport works on a sum (its latency included), it lands on
+        # the computing thread while that computes: backward and the factor
+        # GEMM after it, both stretched (a fixed point: a longer backward
+        # overlaps more of the link's work).
+        share = comm_cpu_seconds_per_byte / (2.0 * (n - 1) / n * scale * beta)
+        base_bwd, base_gemm, stretch = bwd, gemm, 1.0
+        base_items = items
+        for _ in range(8):
+            bwd, gemm = stretch * base_bwd, base_gemm
+            items = [(stretch * ready, latency, nbytes, is_gather) for ready, latency, nbytes, is_gather in base_items]
+            crossing = list(link_intervals(items, beta, burst, fwd + other))
+            spans = [(first - item[1], end) for first, end, item in crossing if not item[3]]
+            gathers_end = max([end for _, end, item in crossing if item[3]], default=0.0)
+            in_backward = sum(max(0.0, min(end, bwd) - start) for start, end in spans)
+            if gathers:
+                g0 = max(bwd, gathers_end)
+                for _ in range(4):
+                    gemm = base_gemm + share * sum(max(0.0, min(end, g0 + gemm) - max(start, g0))
+                                                   for start, end in spans)
+            stretch = 1.0 + share * in_backward / max(base_bwd, 1e-12)
+        link_end, gathers_end = link_schedule(items, beta, burst, idle_before=fwd + other)
+        finish = max(bwd, gathers_end) + gemm if gathers else bwd
     exposed = max(0.0, max(finish, link_end) - bwd) + jitter * expected_max_normal(n)
     return fwd + bwd + other + exposed, exposed
 
@@ -568,7 +590,8 @@ FLAGS.define("link", [], "with --cluster_bench: links measured before (by --cali
              "RATE:ALPHA_US:GBITS each, e.g. 1gbit:25.3:0.95, or RATE:ALPHA_US:GBITS:FP16_ALPHA_US:FP16_GBITS "
              "with the float16 transport's sums (Gbit/s of float32 gradient)")
 FLAGS.define("comm_cost", [], "with --cluster_bench: the transports' costs measured before (by "
-             "--calibrate_links), RATE:MODE=NS,MODE=NS,... (ns of compute lost per byte of gradient summed)")
+             "--calibrate_links), RATE:MODE=NS,MODE=NS,... (ns of compute lost per byte of gradient summed "
+             "while backward computes)")
 FLAGS.define("gemm_gflops", 0.0, "the GEMM rate (0: measured here, 1 thread)")
 
 
