@@ -139,8 +139,11 @@ def test_free_bytes_of_a_directory(tmp_path):
 
 
 @needs_mpi
-def test_overlap_polls_between_kernel_chunks():
-    p = mpirun(2, [WORKERS / "progress_worker.py"])
+@pytest.mark.parametrize("sfb", [False, True])
+def test_overlap_polls_between_kernel_chunks(sfb):
+    """The transport's pending sums, and with --sfb the factor gathers, are
+    tested between the chunks of a layer's kernels (progress_worker)."""
+    p = mpirun(2, [WORKERS / "progress_worker.py"] + (["sfb"] if sfb else []))
     assert "polls inside conv backward" in p.stdout
 
 

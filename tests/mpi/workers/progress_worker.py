@@ -1,8 +1,13 @@
 """--comm=overlap polls its pending allreduces between the chunks of a CPU
 kernel, not only between layers: counts the transport's polls made inside
 the convolution's backward (chunks forced small), checks that the poll is
-uninstalled after finish, and that the averaged gradient is the mean."""
+uninstalled after finish, and that the averaged gradient is the mean.
+With the argument ``sfb``: --sfb=on, whose factor gathers (ip's, started
+before the convolution's backward) are tested in those chunks too, beside
+the transport's polls; rank 1 starts late, so that rank 0's gathers are
+still pending through its convolution's backward."""
 import sys
+import time
 
 import numpy as np
 from google.protobuf import text_format
@@ -12,6 +17,7 @@ from caffempi.net import Net
 from caffempi.parallel.comm import get_world
 from caffempi.parallel.collectives import Collectives
 from caffempi.parallel.launch import install_abort_handlers
+from caffempi.parallel.sfb import SufficientFactorBroadcast
 from caffempi.parallel.sync import BucketedAllreduce
 from caffempi.proto import caffe_pb2
 
@@ -26,7 +32,8 @@ layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "
 """
 
 
-def main():
+def main(argv):
+    sfb = "sfb" in argv
     world = get_world("overlap")
     install_abort_handlers(world)
     cpu._COL_CHUNK_BYTES = 4096          # a chunk per image or two
@@ -34,18 +41,26 @@ def main():
     text_format.Merge(NET, param)
     net = Net(param)
     Collectives(world).broadcast_arrays([net.param_data])
-    red = BucketedAllreduce(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6)
+    if sfb:
+        red = SufficientFactorBroadcast(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6, mode="on")
+    else:
+        red = BucketedAllreduce(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6)
     red.attach(net)
     transport = red.transport
-    polls = {"conv": 0}
+    polls = {"conv": 0, "gathers": 0}
     inside = {"conv": False}
-    real_poll = transport.poll
 
-    def counting_poll():
-        if inside["conv"]:
-            polls["conv"] += 1
-        return real_poll()
-    transport.poll = counting_poll
+    def counting(obj, name, key):
+        real = getattr(obj, name)
+
+        def count():
+            if inside["conv"]:
+                polls[key] += 1
+            return real()
+        setattr(obj, name, count)
+    counting(transport, "poll", "conv")
+    if sfb:
+        counting(red, "_progress", "gathers")
     conv = net.layers[net.layer_names.index("conv")]
     real_backward = conv.backward
 
@@ -68,17 +83,22 @@ def main():
     own = own_net.param_diff.copy()
     net.clear_param_diffs()
     red.start_iteration(net)
+    if sfb and world.rank == 1:
+        time.sleep(0.5)
     net.forward_backward()
     red.finish(net)
     assert threads._progress_here() is None, "the poll stayed installed after finish"
     # the ip bucket starts before the conv's backward, whose chunks poll it
     assert polls["conv"] >= 4, polls
+    if sfb and world.rank == 0:
+        # and test ip's factor gathers, still pending there (rank 1 is late)
+        assert polls["gathers"] >= 4, polls
     mean = world.comm.allreduce(own.astype(np.float64)) / world.size
     np.testing.assert_allclose(net.param_diff, mean, rtol=1e-5, atol=1e-7)
     red.close()
     if world.rank == 0:
-        print("polls inside conv backward:", polls["conv"])
+        print("polls inside conv backward:", polls["conv"], "gather tests:", polls["gathers"])
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(main(sys.argv[1:]))
