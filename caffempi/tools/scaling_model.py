@@ -206,35 +206,32 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
             ready_at[L["index"]] = t
         items = [ring(ready, nb) for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
         items += [gather(ready_at[i], b) for i, b in gathers]
-    if mode == "blocking" or not comm_cpu_seconds_per_byte:
-        link_end, gathers_end = link_schedule(items, beta, burst, idle_before=fwd + other)
-        finish = max(bwd, gathers_end) + gemm if gathers else bwd
-    else:
-        # The cost a byte was measured on a long sum: as a share of the time
-        # the transport works on a sum (its latency included), it lands on
-        # the computing thread while that computes: backward and the factor
-        # GEMM after it, both stretched (a fixed point: a longer backward
-        # overlaps more of the link's work).
-        share = comm_cpu_seconds_per_byte / (2.0 * (n - 1) / n * scale * beta)
-        base_bwd, base_gemm, stretch = bwd, gemm, 1.0
-        base_items = items
-        for _ in range(8):
-            bwd, gemm = stretch * base_bwd, base_gemm
-            items = [(stretch * ready, latency, nbytes, is_gather) for ready, latency, nbytes, is_gather in base_items]
-            crossing = list(link_intervals(items, beta, burst, fwd + other))
-            spans = [(first - item[1], end) for first, end, item in crossing if not item[3]]
-            gathers_end = max([end for _, end, item in crossing if item[3]], default=0.0)
-            in_backward = sum(max(0.0, min(end, bwd) - start) for start, end in spans)
-            if gathers:
-                g0 = max(bwd, gathers_end)
-                for _ in range(4):
-                    gemm = base_gemm + share * sum(max(0.0, min(end, g0 + gemm) - max(start, g0))
-                                                   for start, end in spans)
-            stretch = 1.0 + share * in_backward / max(base_bwd, 1e-12)
-        link_end, gathers_end = link_schedule(items, beta, burst, idle_before=fwd + other)
-        finish = max(bwd, gathers_end) + gemm if gathers else bwd
+    # The transport's cost a byte was measured on a long sum: as a share of
+    # the time the transport works on a sum (its latency included), it lands
+    # on the computing thread while that computes, backward and the factor
+    # GEMM after it, and stretches them (a fixed point: a longer backward
+    # overlaps more of the link's work).  After them the thread only waits.
+    share = 0.0 if mode == "blocking" else comm_cpu_seconds_per_byte / (2.0 * (n - 1) / n * scale * beta)
+    base_bwd, base_gemm, base_items, stretch = bwd, gemm, items, 1.0
+    for _ in range(8 if share else 1):
+        bwd = stretch * base_bwd
+        items = [(stretch * ready, latency, nbytes, is_gather) for ready, latency, nbytes, is_gather in base_items]
+        crossing = list(link_intervals(items, beta, burst, idle_before=fwd + other))
+        link_end = crossing[-1][1] if crossing else 0.0
+        gathers_end = max([end for _, end, item in crossing if item[3]], default=0.0)
+        sums = [(first - item[1], end) for first, end, item in crossing if not item[3]]
+        g0, gemm = max(bwd, gathers_end), base_gemm
+        for _ in range(4 if share and gathers else 0):
+            gemm = base_gemm + share * _busy(sums, g0, g0 + gemm)
+        stretch = 1.0 + share * _busy(sums, 0.0, bwd) / max(base_bwd, 1e-12)
+    finish = max(bwd, gathers_end) + gemm if gathers else bwd
     exposed = max(0.0, max(finish, link_end) - bwd) + jitter * expected_max_normal(n)
     return fwd + bwd + other + exposed, exposed
+
+
+def _busy(spans, start, end):
+    """Seconds of ``spans`` ((start, end) each) inside start..end."""
+    return sum(max(0.0, min(e, end) - max(s, start)) for s, e in spans)
 
 
 def single_step(profile):
