@@ -309,19 +309,22 @@ def test_scaling_model_token_bucket_link():
     """tc's tbf: after an idle spell ``burst`` bytes leave at once, then the
     rate; tokens refill at the rate while the link is idle."""
     beta, burst = 1e-6, 1000.0                  # 1 MB/s, a 1000-byte bucket
+
+    def crossing(items, **kwargs):
+        return list(scaling_model.link_intervals(items, beta, **kwargs))
     # idle long enough before: the first 1000 bytes are free
-    end, _ = scaling_model.link_schedule([(0.0, 0.0, 3000.0, False)], beta, burst, idle_before=1.0)
-    assert end == pytest.approx(2000 * beta)
+    (start, end, _), = crossing([(0.0, 0.0, 3000.0, False)], burst=burst, idle_before=1.0)
+    assert start == 0.0 and end == pytest.approx(2000 * beta)
     # back to back: the second item finds no tokens; after 0.5 ms idle, 500
-    end, _ = scaling_model.link_schedule([(0.0, 0.0, 3000.0, False), (0.0, 0.0, 1000.0, False)],
-                                         beta, burst, idle_before=1.0)
-    assert end == pytest.approx(3000 * beta)
-    end, _ = scaling_model.link_schedule([(0.0, 0.0, 1000.0, False), (0.0005, 0.0, 1000.0, False)],
-                                         beta, burst, idle_before=1.0)
-    assert end == pytest.approx(0.0005 + 500 * beta)
-    # no bucket: the plain alpha-beta link
-    end, gathers_end = scaling_model.link_schedule([(0.0, 1e-5, 3000.0, True)], beta)
-    assert end == gathers_end == pytest.approx(1e-5 + 3000 * beta)
+    first, second = crossing([(0.0, 0.0, 3000.0, False), (0.0, 0.0, 1000.0, False)], burst=burst,
+                             idle_before=1.0)
+    assert second[0] == first[1] and second[1] == pytest.approx(3000 * beta)
+    _, (start, end, _) = crossing([(0.0, 0.0, 1000.0, False), (0.0005, 0.0, 1000.0, False)], burst=burst,
+                                  idle_before=1.0)
+    assert start == 0.0005 and end == pytest.approx(0.0005 + 500 * beta)
+    # no bucket: the plain alpha-beta link, the latency inside the item's span
+    (start, end, item), = crossing([(0.0, 1e-5, 3000.0, True)])
+    assert start == 0.0 and end == pytest.approx(1e-5 + 3000 * beta) and item[3]
     # the calibration fit takes the bucket out of each measured sum
     points = [(b, 2e-5 + max(0.0, b - burst) * beta) for b in (1024, 4096, 2 ** 16, 2 ** 20, 2 ** 22)]
     alpha, fitted = scaling_model.fit(points, 2, burst)

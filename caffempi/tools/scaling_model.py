@@ -29,7 +29,7 @@ after another, in the order backward makes them ready.
 
 Emulated links (caffempi.testing.cluster) shape traffic with tc's token
 bucket: after an idle spell its ``burst`` bytes leave at once, then the
-rate (link_schedule).  A factor layer's weight gradient at a few rows is
+rate (link_intervals).  A factor layer's weight gradient at a few rows is
 bound by writing its M x N result, not by its FLOPs, so its time is
 measured (sfb.measure_weight_grad_seconds) for the emulated-host report.
 A transport's own work on a rank's cores (polls, a communication thread)
@@ -114,11 +114,11 @@ def gather_time(nbytes, n, alpha, beta):
 def link_intervals(items, beta, burst=0.0, idle_before=0.0):
     """Run ``items`` (ready time, latency seconds, bytes a rank sends, is a
     factor gather) through one link, one after another in ready order;
-    yields (first byte's time, end, item) in the order they cross.
-    ``burst``: the link's token bucket in bytes (tc's tbf ``burst``; 0 for a
-    plain link): after an idle spell it sends up to ``burst`` bytes at once,
-    refilled at the link rate while idle (``idle_before``: seconds idle
-    before time 0)."""
+    yields (the time the link takes it up, the time it ends, item) in the
+    order they cross.  ``burst``: the link's token bucket in bytes (tc's tbf
+    ``burst``; 0 for a plain link): after an idle spell it sends up to
+    ``burst`` bytes at once, refilled at the link rate while idle
+    (``idle_before``: seconds idle before time 0)."""
     link_end = 0.0
     tokens = min(burst, idle_before / beta) if burst else 0.0
     for item in sorted(items):
@@ -129,16 +129,7 @@ def link_intervals(items, beta, burst=0.0, idle_before=0.0):
         free = min(tokens, nbytes)
         tokens -= free
         link_end = start + latency + (nbytes - free) * beta
-        yield start + latency, link_end, item
-
-
-def link_schedule(items, beta, burst=0.0, idle_before=0.0):
-    """(end of the last item, end of the last gather) of link_intervals."""
-    link_end = gathers_end = 0.0
-    for _, link_end, item in link_intervals(items, beta, burst, idle_before):
-        if item[3]:
-            gathers_end = link_end
-    return link_end, gathers_end
+        yield start, link_end, item
 
 
 def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0,
@@ -153,19 +144,20 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
     ``factors``: the indices of the layers using sufficient factors (their
     layer records carry ``factors``: (M, N, K)); ``bytes_per_value``: 2 for
     --comm_dtype=fp16 (factors and, unless ``sum_link`` is given, buckets);
-    ``burst``: the link's token bucket (link_schedule);
+    ``burst``: the link's token bucket (link_intervals);
     ``weight_grad_seconds(rows, M, N, accumulate)``: the measured time of a
     factor layer's weight gradient (sfb.measure_weight_grad_seconds), else
     its FLOPs at ``gemm_rate``; ``comm_cpu_seconds_per_byte``: what the
     transport's work costs the computing thread per byte of gradient summed
     (measure_comm_cost, on a long sum: polls, or a communication thread's
     share of the cores), taken as a share of the time the transport works
-    on a sum, latency included, which stretches backward and the factor GEMM
-    after it by that share of the link's work while they run (what crosses
-    after them costs nothing: the thread only waits; the link's beta
-    already holds the transport's own work); ``sum_link``: (alpha, beta per float32 byte)
-    of the bucket sums where they are not a plain ring on the link (the
-    float16 transport, conversions included: calibrate)."""
+    on a sum, latency included, which stretches backward and the factor
+    GEMM after it by that share of the link's work while they run (what
+    crosses after them costs nothing: the thread only waits, and the link's
+    beta already holds the transport's own work); ``sum_link``: (alpha,
+    beta per float32 byte) of the bucket sums where they are not a plain
+    ring on the link (the float16 transport, conversions included:
+    calibrate)."""
     if weight_grad_seconds is None:
         def weight_grad_seconds(rows, m, k, accumulate):
             return 2.0 * rows * m * k / gemm_rate
@@ -219,7 +211,7 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
         crossing = list(link_intervals(items, beta, burst, idle_before=fwd + other))
         link_end = crossing[-1][1] if crossing else 0.0
         gathers_end = max([end for _, end, item in crossing if item[3]], default=0.0)
-        sums = [(first - item[1], end) for first, end, item in crossing if not item[3]]
+        sums = [(start, end) for start, end, item in crossing if not item[3]]
         g0, gemm = max(bwd, gathers_end), base_gemm
         for _ in range(4 if share and gathers else 0):
             gemm = base_gemm + share * _busy(sums, g0, g0 + gemm)
