@@ -97,8 +97,6 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         self._factor_at = {}           # layer index -> layer, of factor_layers
         self._comm = None
         self._gathers = {}             # layer index -> (requests, [(send, recv)] of dy and x)
-        self._inner_progress = None    # the kernels' progress callable _progress_all took over
-        self._progress_installed = False
 
     # --------------------------------------------------------------- set-up
     def attach(self, net, iter_size=1):
@@ -119,7 +117,6 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         super().attach(net, iter_size)
 
     def detach(self):
-        self._restore_progress()
         for _, layer, _ in self.factor_layers:
             layer.weight_grad_from_factors = False
             layer.factors = None
@@ -229,23 +226,14 @@ class SufficientFactorBroadcast(BucketedAllreduce):
                 self._gather(layer_index, layer)
             if not self._progress():
                 # the gathers progress between the chunks of the next layers'
-                # kernels too, beside what the transport polls there (MPI
-                # moves them only when called): between layers alone,
-                # LeNet's 0.3 MB at 1 Gbit/s crossed after backward
-                previous = threads.set_progress(self._progress_all)
-                if previous != self._progress_all:
-                    self._inner_progress = previous
-                self._progress_installed = True
-
-    def _restore_progress(self):
-        """Give the kernels back the transport's progress callable (as it was)."""
-        if self._progress_installed:
-            threads.set_progress(self._inner_progress)
-        self._inner_progress, self._progress_installed = None, False
+                # kernels too (MPI moves them only when called): between
+                # layers alone, LeNet's 0.3 MB at 1 Gbit/s crossed after
+                # backward.  This takes the place of what a polled transport
+                # installs there, its poll, which _progress_all calls.
+                threads.set_progress(self._progress_all)
 
     def _progress_all(self):
-        if self._inner_progress is not None:
-            self._inner_progress()
+        self.transport.poll()
         self._progress()
 
     def _gather(self, i, layer):
@@ -290,7 +278,6 @@ class SufficientFactorBroadcast(BucketedAllreduce):
     def finish(self, net):
         t0 = time.perf_counter()
         if self.active:
-            self._restore_progress()
             for i, layer, p in self.factor_layers:
                 if i not in self._gathers:       # backward was not hooked (blocking)
                     self._gather(i, layer)
@@ -308,4 +295,6 @@ class SufficientFactorBroadcast(BucketedAllreduce):
                 else:
                     kernels.matmul_into(net.xp, dy.T, x, grad)
                 self.transport.poll()
-        return (time.perf_counter() - t0) + super().finish(net)
+        waited = (time.perf_counter() - t0) + super().finish(net)
+        threads.set_progress(None)      # _progress_all, where no transport's backward_end took it out
+        return waited
