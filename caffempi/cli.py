@@ -189,10 +189,9 @@ def train(flags):
 
 
 def test(flags):
-    import numpy as np
     from .backend import to_numpy
     from .net import Net
-    from .solvers.solver import fmt
+    from .solvers.solver import fmt, loss_suffix
     if not flags.model:
         raise CaffeError("Need a model definition to score (--model).")
     if not flags.weights:
@@ -227,8 +226,7 @@ def test(flags):
     log.info("Loss: %s", fmt(loss / n))
     for s, name, w in zip(scores, names, weights):
         mean = s / n
-        extra = (" (* %s = %s loss)" % (fmt(w), fmt(np.float32(w) * np.float32(mean)))) if w else ""
-        log.info("%s = %s%s", name, fmt(mean), extra)
+        log.info("%s = %s%s", name, fmt(mean), loss_suffix(w, mean))
     return 0
 
 

@@ -31,6 +31,15 @@ def fmt(v):
     return "%.6g" % float(v)
 
 
+def loss_suffix(weight, value):
+    """The " (* w = l loss)" Caffe appends to an output line of a blob with
+    loss weight ``weight``: the weighted value as a float32 product; "" for
+    a blob that is not a loss (weight 0)."""
+    if not weight:
+        return ""
+    return " (* %s = %s loss)" % (fmt(weight), fmt(f32(weight) * f32(value)))
+
+
 # -------------------------------------------------------------- solver files
 def read_solver(path):
     """Read a solver prototxt as Caffe's ReadSolverParamsFromTextFileOrDie:
@@ -350,8 +359,7 @@ class Solver:
         when all params share a multiplier, else a flat vector of each
         param's product over its slice.  The vector is one buffer, filled
         again only when ``factor`` changes: a new one every step would cost
-        a pass and, where the allocator is not tuned as train tunes it, a
-        fresh mapping (CaffeNet's 244 MB) to page in."""
+        a pass over the params and a fresh allocation."""
         factor = f32(factor)
         mults = self._mults[name]
         if not isinstance(mults, list):
@@ -507,8 +515,7 @@ class Solver:
             for _ in range(int(np.size(vals))):
                 v = combined[idx]
                 idx += 1
-                extra = (" (* %s = %s loss)" % (fmt(w), fmt(f32(w) * f32(v)))) if w else ""
-                log.info("    Train net output #%d: %s = %s%s", k, name, fmt(v), extra)
+                log.info("    Train net output #%d: %s = %s%s", k, name, fmt(v), loss_suffix(w, v))
                 k += 1
         # Time forward spent waiting for the data layers' prefetch queues.
         waited = net.data_wait_seconds()
@@ -658,8 +665,7 @@ class Solver:
         for name, vals, w in outputs:
             for _ in range(int(np.size(vals))):
                 m = means[k]
-                extra = (" (* %s = %s loss)" % (fmt(w), fmt(f32(w) * f32(m)))) if w else ""
-                self._info("    Test net output #%d: %s = %s%s", k, name, fmt(m), extra)
+                self._info("    Test net output #%d: %s = %s%s", k, name, fmt(m), loss_suffix(w, m))
                 k += 1
         return means
 
