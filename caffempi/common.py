@@ -13,7 +13,6 @@ import numpy as np
 
 TRAIN = 0
 TEST = 1
-PHASE_NAMES = {TRAIN: "TRAIN", TEST: "TEST"}
 
 
 class CaffeError(Exception):

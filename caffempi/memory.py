@@ -61,7 +61,6 @@ from . import config
 from .common import CaffeError
 
 MODES = ("none", "reuse", "recompute")
-ALL_MODES = MODES + ("offload",)
 # Nets that only their owner reads (the solver's, `caffempi time/test`) free
 # what a pass no longer needs; a Net built from Python keeps every blob
 # readable, as pycaffe users expect, unless asked otherwise.
