@@ -18,6 +18,8 @@ import tempfile
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from caffempi.parallel.launch import mpiexec_path  # noqa: E402
 
 
 def train(dtype, iters, workdir, sfb):
@@ -27,9 +29,8 @@ def train(dtype, iters, workdir, sfb):
     path = Path(workdir) / ("solver_%s.prototxt" % dtype)
     path.write_text(solver)
     env = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    mpiexec = str(Path(sys.executable).parent / "mpiexec")
-    p = subprocess.run([mpiexec, "-n", "2", sys.executable, "-m", "caffempi", "train", "--solver=%s" % path,
-                        "--comm=overlap", "--sfb=%s" % sfb, "--comm_dtype=%s" % dtype],
+    p = subprocess.run([mpiexec_path() or "mpiexec", "-n", "2", sys.executable, "-m", "caffempi", "train",
+                        "--solver=%s" % path, "--comm=overlap", "--sfb=%s" % sfb, "--comm_dtype=%s" % dtype],
                        cwd=str(REPO), env=env, capture_output=True, text=True)
     if p.returncode:
         raise SystemExit("training with %s failed:\n%s" % (dtype, p.stderr[-3000:]))

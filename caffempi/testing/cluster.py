@@ -175,8 +175,11 @@ class Cluster:
         return subprocess.run(["ip", "netns", "exec", self.hosts[host]] + list(args), **kwargs)
 
     def mpiexec_command(self, args, ranks_per_host=1, mpiexec=None):
-        """The command line that starts ``args`` on every host, from host 0."""
-        mpiexec = mpiexec or os.path.join(os.path.dirname(sys.executable), "mpiexec")
+        """The command line that starts ``args`` on every host, from host 0:
+        ``mpiexec``, else the one beside this Python or on PATH, else the
+        name "mpiexec"."""
+        from ..parallel.launch import mpiexec_path
+        mpiexec = mpiexec or mpiexec_path() or "mpiexec"
         n = self.count * ranks_per_host
         with open(self.hostfile, "w") as f:
             f.write("".join("%s:%d\n" % (h, ranks_per_host) for h in self.hosts))

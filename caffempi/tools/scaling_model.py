@@ -348,9 +348,8 @@ def _run_worker(flag, n, cluster, prefix=""):
         if p.returncode:
             raise SystemExit("%s failed:\n%s" % (flag, p.stderr[-2000:]))
     else:
-        mpiexec = Path(sys.executable).parent / "mpiexec"
-        subprocess.run([str(mpiexec) if mpiexec.exists() else "mpiexec", "-n", str(n)] + worker,
-                       check=True, timeout=300, env=env)
+        from ..parallel.launch import mpiexec_path
+        subprocess.run([mpiexec_path() or "mpiexec", "-n", str(n)] + worker, check=True, timeout=300, env=env)
     with open(out) as f:
         data = json.load(f)
     os.unlink(out)

@@ -1,23 +1,18 @@
-"""Launch worker scripts under the venv's mpiexec (found next to
-sys.executable) with a timeout, so a hang fails the test instead of the suite."""
+"""Launch worker scripts under the venv's mpiexec (caffempi.parallel.launch's
+mpiexec_path: beside sys.executable, else on PATH) with a timeout, so a hang
+fails the test instead of the suite."""
 import os
-import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from caffempi.parallel.launch import mpiexec_path
+
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 WORKERS = HERE / "workers"
-
-
-def mpiexec_path():
-    cand = Path(sys.executable).parent / "mpiexec"
-    if cand.exists():
-        return str(cand)
-    return shutil.which("mpiexec")
 
 
 def have_mpi():
