@@ -112,7 +112,7 @@ class _BatchDataLayer(Layer):
         """Data layers have no bottoms."""
 
     def _draws(self, k):
-        if not self.transformer.needs_draws:     # nothing random to draw (~0.1 ms a batch)
+        if not self.transformer.needs_draws:     # no mirror, no train-time crop: nothing to draw
             return None
         rank, size = self.data_shard
         return DataTransformer.draws(self._seed, k, self.batch_size * size, rank, size)

@@ -13,11 +13,6 @@ def _normalize_backward(dy, y, axes):
 
 @register("BatchNorm")
 class BatchNormLayer(Layer):
-    statistics_params = 3
-    backward_reads_bottom_data = False
-    backward_reads_top_data = False
-    backward_state = ("_y",)
-    recompute_cheap = True
     """Caffe's BatchNorm: y = (x - mean) / sqrt(var + eps) per channel.
 
     blobs: [running mean sum (C,), running variance sum (C,), scale factor (1,)];
@@ -31,6 +26,12 @@ class BatchNormLayer(Layer):
     statistics stay BVLC's (NVCaffe's snapshots store the estimates with
     factor 1, which reads the same).
     """
+
+    statistics_params = 3
+    backward_reads_bottom_data = False
+    backward_reads_top_data = False
+    backward_state = ("_y",)
+    recompute_cheap = True
 
     exact_num_bottom = 1
     exact_num_top = 1
@@ -117,12 +118,13 @@ class BatchNormLayer(Layer):
 
 @register("MVN")
 class MVNLayer(Layer):
+    """Subtracts the mean of each sample's channel (or of each whole sample
+    with across_channels) and, with normalize_variance, divides by std + eps."""
+
     backward_reads_bottom_data = False
     backward_reads_top_data = False
     backward_state = ("_y",)
     recompute_cheap = True
-    """Subtracts the mean of each sample's channel (or of each whole sample
-    with across_channels) and, with normalize_variance, divides by std + eps."""
 
     exact_num_bottom = 1
     exact_num_top = 1

@@ -53,13 +53,14 @@ def _reduce(a, dims):
 
 @register("Scale")
 class ScaleLayer(Layer):
+    """top = bottom[0] * scale (+ bias).  With one bottom the scale is
+    blobs[0] (default filler: constant 1) and an optional bias is blobs[1];
+    with two bottoms the scale is bottom[1] and the bias, if any, blobs[0]."""
+
     backward_reads_top_data = False
     in_place_keeps_input = True
     backward_state = ("_x",)
     recompute_cheap = True
-    """top = bottom[0] * scale (+ bias).  With one bottom the scale is
-    blobs[0] (default filler: constant 1) and an optional bias is blobs[1];
-    with two bottoms the scale is bottom[1] and the bias, if any, blobs[0]."""
 
     min_bottom = 1
     max_bottom = 2
@@ -131,11 +132,12 @@ class ScaleLayer(Layer):
 
 @register("Bias")
 class BiasLayer(Layer):
+    """top = bottom[0] + bias, the bias being blobs[0] (default filler:
+    constant 0) or bottom[1]."""
+
     backward_reads_bottom_data = False
     backward_reads_top_data = False
     recompute_cheap = True
-    """top = bottom[0] + bias, the bias being blobs[0] (default filler:
-    constant 0) or bottom[1]."""
 
     min_bottom = 1
     max_bottom = 2
