@@ -137,10 +137,9 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
             comm_cpu_seconds_per_byte=0.0, sum_link=None):
     """Step seconds and exposed seconds for n ranks from one rank's
     ``profile`` (forward_ms; layers with backward_ms and params; step_ms,
-    the whole measured step, else compute_ms: forward, backward and update
-    without zeroing the diffs, which takes 30 ms of CaffeNet's 1.1 s, so
-    the step is preferred); ``jitter`` is the
-    per-rank independent step-time sigma in seconds (the straggler term);
+    the whole measured step, preferred since it also holds zeroing the
+    diffs, else compute_ms: forward, backward and update only); ``jitter``
+    is the per-rank independent step-time sigma in seconds (the straggler term);
     ``factors``: the indices of the layers using sufficient factors (their
     layer records carry ``factors``: (M, N, K)); ``bytes_per_value``: 2 for
     --comm_dtype=fp16 (factors and, unless ``sum_link`` is given, buckets);
@@ -280,9 +279,9 @@ def _allreduce_worker(arg):
 # --comm_dtype) whose work takes time from the computing thread
 COMM_COST_MODES = {"overlap": ("overlap", "fp32"), "fp16_polled": ("overlap", "fp16"),
                    "default": ("thread", "fp32"), "fp16": ("thread", "fp16")}
-# paired timings (alone, with a sum) a mode's cost is the median of: with 5,
-# the float16 cost came out at 8.81, 1.08 and 1.55 ns a byte at 100 Mbit/s,
-# 1 and 10 Gbit/s, where its conversions alone take about 4 (2026-11-25)
+# paired timings (alone, with a sum) a mode's cost is the median of: fewer
+# spread too much to tell one rate's cost from another's (docs/design/parallel.md,
+# "The scaling model")
 COMM_COST_REPEATS = 11
 
 
