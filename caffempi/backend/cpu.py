@@ -21,8 +21,8 @@ when its reduction is short, see _PER_IMAGE_MAX_K), and the data gradient's
 GEMM + col2im.  Scratch buffers persist between calls, one set per thread (see
 :func:`_work`).  The chunks, and the images of a pooling, run on the
 intra-op threads (:mod:`caffempi.backend.threads`), BLAS at one thread.
-MAX pooling runs the compiled loops of :mod:`.pooling` where they run, the
-NumPy forms below elsewhere.
+MAX pooling runs the compiled loops of :mod:`.pooling` where they run, one
+NumPy fallback below elsewhere.
 
 History and measurements, with what was tried and not kept:
 docs/design/cpu.md
@@ -741,139 +741,10 @@ def _padded_width_phases(x, geom, oh, ow, fill):
     return out, hp
 
 
-def _tiled_max_pool(x, kh, kw, y, idx):
-    """MAX pooling over non-overlapping windows that tile the image exactly
-    (kernel == stride, no pad; LeNet's 2x2/2), into y and idx as
-    :func:`max_pool_forward` returns them: one copy puts every window tap
-    in its own contiguous plane (kh, kw, N*C*oh*ow), then the maxima are long
-    contiguous ufuncs: along each row (first j that is strictly greater), then
-    across rows (first row strictly greater), which is the raster-order first
-    maximum.  (Taps as strided views of x, with no copy, measured 2-3x
-    slower; np.copyto with where= is ~40x slower than an int8 multiply-add
-    select here.)"""
-    n, c, h, w = x.shape
-    oh, ow = h // kh, w // kw
-    b = n * c * oh
-    ln = b * ow
-    xt = _work("tpool_x", kh * kw * ln, x.dtype).reshape(kh, kw, ln)
-    np.copyto(xt.reshape(kh, kw, b, ow), x.reshape(b, kh, ow, kw).transpose(1, 3, 0, 2))
-    yb = y.reshape(ln)
-    gt = _work("tpool_gt", ln, bool)
-    g8 = gt.view(np.int8)
-    r = _work("tpool_r", ln, x.dtype)
-    jt = _work("tpool_jt", ln, np.int8)
-    tj = _work("tpool_tj", ln, np.int8)
-    ti = _work("tpool_ti", ln, np.int8)
-    d8 = _work("tpool_d8", ln, np.int8)
-    for i in range(kh):
-        rr = yb if i == 0 else r
-        t = tj if i == 0 else jt
-        np.copyto(rr, xt[i, 0])
-        t[...] = 0
-        for j in range(1, kw):
-            np.greater(xt[i, j], rr, out=gt)
-            np.maximum(rr, xt[i, j], out=rr)
-            np.maximum(t, g8 if j == 1 else np.multiply(g8, np.int8(j), out=d8), out=t)
-        if i == 0:
-            ti[...] = 0
-        else:
-            np.greater(r, yb, out=gt)
-            np.maximum(yb, r, out=yb)
-            np.subtract(jt, tj, out=d8)         # tj = jt where row i wins
-            d8 *= g8
-            tj += d8
-            np.maximum(ti, g8 if i == 1 else np.multiply(g8, np.int8(i), out=d8), out=ti)
-    base = (np.arange(oh, dtype=np.int32) * (kh * w))[:, None] + np.arange(ow, dtype=np.int32) * kw
-    np.add(tj.reshape(n * c, oh, ow), base, out=idx.reshape(n * c, oh, ow))
-    iw = _work("tpool_iw", ln, np.int32)
-    np.multiply(ti, np.int32(w), out=iw)
-    idx.reshape(ln)[...] += iw
-
-
-def _max_pool_3x3s2(x, y, idx):
-    """MAX pooling 3x3 stride 2, no pad, even h and w, ceil mode (oh = h/2,
-    ow = w/2, the last window of each axis clipped to two taps), into y and
-    idx as :func:`max_pool_forward` returns them.
-
-    In chunks of images whose working set stays in cache: one copy splits x
-    into its four (row, column) stride phases, each contiguous (m, h/2, w/2);
-    then every tap of the separable max is a flat shift of a phase, so each
-    step is one long contiguous ufunc: along W (E0, O0, E1: first strictly
-    greater wins, i.e. the first column within each row), then along H (R0,
-    R1, R0 shifted a row: the first row among those reaching the max), which
-    is the raster-order first maximum.  The tap that would fall past the
-    clipped edge reads the next row/image and is overwritten by the two-tap
-    result (per-row fixups).  The winning column code is carried through the
-    row select with the int8 multiply-add.  Measured 9.6-11 -> 4.5-5 ms on
-    CIFAR10-quick's pool1 (100x32x32x32); most of what is left is the
-    phase-split copy (~1.6 ms: NumPy's stride-2 copy; complex/int64 view
-    casts were no faster)."""
-    nb_target = max(1, 102400 // ((x.shape[2] // 2) * (x.shape[3] // 2)))
-    n, c, h, w = x.shape
-    nc = n * c
-    hq, wq = h // 2, w // 2
-    yf = y.reshape(nc, hq * wq)
-    idxf = idx.reshape(nc, hq * wq)
-    xs = x.reshape(nc, hq, 2, wq, 2)
-    base = (np.arange(hq, dtype=np.int32)[:, None] * (2 * w) + np.arange(wq, dtype=np.int32) * 2).reshape(-1)
-    nb = min(nc, nb_target)
-    L = nb * hq * wq
-    P = _work("mp_p", 4 * L, x.dtype)
-    R = _work("mp_r", 2 * L, x.dtype)
-    M = _work("mp_m", 2 * L, x.dtype)
-    g1 = _work("mp_g1", 2 * L, bool); g2 = _work("mp_g2", 2 * L, bool)
-    jc = _work("mp_jc", 2 * L, np.int8)
-    t8 = _work("mp_t8", 2 * L, np.int8)
-    sel = _work("mp_sel", L, np.int8)
-    for a in range(0, nc, nb):
-        m = min(nb, nc - a)
-        l = m * hq * wq
-        p = P[:4 * l]
-        np.copyto(p.reshape(2, 2, m, hq, wq), xs[a:a + m].transpose(4, 2, 0, 1, 3))
-        E = p[:2 * l]; O = p[2 * l:4 * l]          # (rp, m, hq, wq) each
-        L2 = 2 * l; s2 = L2 - 1
-        mm = M[:L2]; r = R[:L2]; G1 = g1[:L2]; G2 = g2[:L2]
-        np.greater(O, E, out=G1)
-        np.maximum(E, O, out=mm)
-        np.greater(E[1:], mm[:s2], out=G2[:s2])
-        np.maximum(mm[:s2], E[1:], out=r[:s2])
-        # last column: the window is clipped to two taps
-        G2.reshape(-1, wq)[:, wq - 1] = False
-        r.reshape(-1, wq)[:, wq - 1] = mm.reshape(-1, wq)[:, wq - 1]
-        J = jc[:L2]; T = t8[:L2]
-        np.add(G2.view(np.int8), G2.view(np.int8), out=T)
-        np.maximum(G1.view(np.int8), T, out=J)
-        # H stage over rows: R0 (even rows), R1 (odd rows), R0 shifted one row
-        R0 = r[:l]; R1 = r[l:L2]; J0 = J[:l]; J1 = J[l:L2]
-        s1 = l - wq
-        mm = M[:l]; H1 = g1[:l]; H2 = g2[:l]
-        ya = yf[a:a + m].reshape(-1)
-        np.greater(R1, R0, out=H1)
-        np.maximum(R0, R1, out=mm)
-        np.greater(R0[wq:], mm[:s1], out=H2[:s1])
-        np.maximum(mm[:s1], R0[wq:], out=ya[:s1])
-        H2.reshape(m, hq, wq)[:, hq - 1] = False
-        ya.reshape(m, hq, wq)[:, hq - 1] = mm.reshape(m, hq, wq)[:, hq - 1]
-        # column tap of the winning row, then offset = row*w + col
-        S = sel[:l]; d = t8[:l]
-        np.subtract(J1, J0, out=d); d *= H1.view(np.int8); np.add(J0, d, out=S)
-        np.subtract(J0[wq:], S[:s1], out=d[:s1]); d[:s1] *= H2.view(np.int8)[:s1]; S[:s1] += d[:s1]
-        np.add(H2.view(np.int8), H2.view(np.int8), out=d)
-        np.maximum(H1.view(np.int8), d, out=d)
-        ia = idxf[a:a + m]
-        if 2 * w + 2 < 128:
-            np.multiply(d, np.int8(w), out=d)
-            S += d
-            np.add(S.reshape(m, hq * wq), base, out=ia)
-        else:
-            np.add(S.reshape(m, hq * wq), base, out=ia)
-            dd = d.reshape(m, hq * wq).astype(np.int32)
-            dd *= w
-            ia += dd
-
-
 def _max_pool_forward(x, geom, oh, ow, y, idx):
-    """MAX pooling of the images x into y and idx (:func:`max_pool_forward`)."""
+    """MAX pooling of the images x into y and idx (:func:`max_pool_forward`),
+    the NumPy fallback of the compiled kernels: one argmax for global
+    pooling, else separable over stride phases."""
     kh, kw, sh, sw, ph, pw = geom[:6]
     n, c, h, w = x.shape
     if _is_global(geom, h, w, oh, ow):
@@ -882,11 +753,6 @@ def _max_pool_forward(x, geom, oh, ow, y, idx):
         np.copyto(y.reshape(n, c, 1), np.take_along_axis(flat, i[:, :, None], 2))
         np.copyto(idx.reshape(n, c), i)
         return
-    if kh == sh and kw == sw and not ph and not pw and oh * kh == h and ow * kw == w:
-        return _tiled_max_pool(x, kh, kw, y, idx)
-    if (kh == kw == 3 and sh == sw == 2 and not ph and not pw and h % 2 == 0 and w % 2 == 0
-            and oh == h // 2 and ow == w // 2):
-        return _max_pool_3x3s2(x, y, idx)
     # Separable: row maxima over the kw taps, then over kh rows; taking the
     # first strict maximum at each stage gives the window's raster-order first.
     phases, hp = _padded_width_phases(x, geom, oh, ow, -np.inf)
