@@ -10,6 +10,7 @@ import pytest
 from threadpoolctl import ThreadpoolController
 
 from caffempi.backend import cpu, threads
+from caffempi.backend.cpu import chunking, conv, pool
 from caffempi.testing.gil import stall_shares
 
 
@@ -17,8 +18,8 @@ from caffempi.testing.gil import stall_shares
 def small_chunks(monkeypatch):
     """Chunks of a few images even for test-sized inputs, so that the
     kernels have several chunks to spread over threads."""
-    monkeypatch.setattr(cpu, "_COL_CHUNK_BYTES", 2048)
-    monkeypatch.setattr(cpu, "_DW_CHUNK_BYTES", 2048)
+    monkeypatch.setattr(chunking, "COL_CHUNK_BYTES", 2048)
+    monkeypatch.setattr(conv, "DW_CHUNK_BYTES", 2048)
 
 
 @pytest.fixture
@@ -70,7 +71,7 @@ def test_convolution_is_bitwise_the_same_on_any_thread_count(case, small_chunks,
         for a, o in zip(results[0], other):
             assert np.array_equal(a, o)
     # and the chunked result is the one of the whole batch at once
-    cpu._COL_CHUNK_BYTES = cpu._DW_CHUNK_BYTES = 1 << 30
+    chunking.COL_CHUNK_BYTES = conv.DW_CHUNK_BYTES = 1 << 30
     whole = run()
     for a, o in zip(results[0], whole):
         np.testing.assert_allclose(a, o, rtol=1e-4, atol=1e-4)
@@ -100,7 +101,7 @@ def test_pooling_is_bitwise_the_same_on_any_thread_count(shape, geom, small_chun
     # each image pooled alone gives the same
     for i in range(shape[0]):
         y, idx = np.empty((1,) + shape[1:2] + (oh, ow), np.float32), np.empty((1,) + shape[1:2] + (oh, ow), np.int32)
-        cpu._max_pool_forward(x[i:i + 1], geom, oh, ow, y, idx)
+        pool.numpy_max_forward(x[i:i + 1], geom, oh, ow, y, idx)
         assert np.array_equal(results[0][0][i:i + 1], y) and np.array_equal(results[0][1][i:i + 1], idx)
 
 

@@ -2,10 +2,10 @@
 loops for any window, stride and padding, 8 neighbouring outputs a vector
 where the column stride is 1-4.
 
-Why: the NumPy forms (backend/cpu.py) take a copy of the input into stride
-phases and a dozen passes over it to find each window's first maximum, and
-the backward is a scatter-add through ``np.add.at``; a compiled loop reads
-each input once (measurements: docs/design/cpu.md).
+Why: the NumPy fallback (backend/cpu/pool.py) takes a copy of the input
+into stride phases and a dozen passes over it to find each window's first
+maximum, and its backward is a scatter-add through ``np.add.at``; a
+compiled loop reads each input once (measurements: docs/design/cpu.md).
 
 Forward: each output is the first maximum in raster order of its window
 clipped to the image (Caffe's ``MaxPoolForward``, as backend/gpu.py), and
@@ -14,7 +14,7 @@ inputs are passed over, as in Caffe (``v > best`` is false).  Backward:
 dx is zero, plus each output gradient added at its ``idx`` in output order.
 Float32 and float64.  :func:`available` is False off x86-64, without
 llvmlite or with ``CAFFEMPI_COMPILED_POOLING=0``, and the callers use the
-NumPy forms.
+NumPy fallback.
 """
 import ctypes
 import functools

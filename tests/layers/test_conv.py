@@ -95,11 +95,11 @@ def conv_path(request, monkeypatch):
     with per-image partials or one batch product) or through the full column
     matrix (the forward's product per image or per chunk of images).  The
     kernels pick by shape and a test's tiny shapes would see only one."""
-    from caffempi.backend import cpu
+    from caffempi.backend.cpu import conv
     row_taps = request.param.startswith("row_taps")
-    monkeypatch.setattr(cpu, "_PER_IMAGE_MAX_K", 1 << 30 if request.param == "columns_per_image" else 0)
-    monkeypatch.setattr(cpu, "_by_row_taps", lambda geom, cg, p: row_taps and geom[2] == 1)
-    monkeypatch.setattr(cpu, "_dw_per_image", lambda geom, cg, og, p: request.param == "row_taps_per_image")
+    monkeypatch.setattr(conv, "PER_IMAGE_MAX_K", 1 << 30 if request.param == "columns_per_image" else 0)
+    monkeypatch.setattr(conv, "by_row_taps", lambda geom, cg, p: row_taps and geom[2] == 1)
+    monkeypatch.setattr(conv, "dw_per_image", lambda geom, cg, og, p: request.param == "row_taps_per_image")
     return request.param
 
 
@@ -163,20 +163,21 @@ def test_two_bottoms_share_weights():
 def test_large_batch_uses_chunks_consistently(text, conv_path):
     # a batch big enough to be cut into several im2col chunks
     from caffempi.backend import cpu
+    from caffempi.backend.cpu import chunking
     x = rand(64, 8, 12, 12)
     layer, bottom, top = run_layer(conv_text(text), [x])
     w = layer.blobs[0].data
-    old = cpu._COL_CHUNK_BYTES
+    old = chunking.COL_CHUNK_BYTES
     try:
-        cpu._COL_CHUNK_BYTES = 1 << 10
+        chunking.COL_CHUNK_BYTES = 1 << 10
         y_small = cpu.conv2d_forward(x, w, layer.geom, 2)
         dy = rand(*top[0].shape, seed=3)
         gx_s, gw_s = cpu.conv2d_backward(x, w, dy, layer.geom, 2)
-        cpu._COL_CHUNK_BYTES = 1 << 30
+        chunking.COL_CHUNK_BYTES = 1 << 30
         y_big = cpu.conv2d_forward(x, w, layer.geom, 2)
         gx_b, gw_b = cpu.conv2d_backward(x, w, dy, layer.geom, 2)
     finally:
-        cpu._COL_CHUNK_BYTES = old
+        chunking.COL_CHUNK_BYTES = old
     np.testing.assert_allclose(y_small, y_big, atol=1e-10)
     np.testing.assert_allclose(gx_s, gx_b, atol=1e-10)
     np.testing.assert_allclose(gw_s, gw_b, atol=1e-9)

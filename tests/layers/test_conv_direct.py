@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from caffempi.backend import cpu, direct, threads
+from caffempi.backend.cpu import chunking
 from caffempi.config import using_config
 from caffempi.testing.gil import stall_shares
 from .test_conv import ref_conv
@@ -71,7 +72,7 @@ def test_same_bits_for_any_thread_count_and_chunking(forced, monkeypatch):
     one = cpu.conv2d_forward(x, weights, geom, 1)
     previous = threads.set_thread_count(2)
     try:
-        monkeypatch.setattr(cpu, "_COL_CHUNK_BYTES", x[0].nbytes * 3)   # chunks of 3 images
+        monkeypatch.setattr(chunking, "COL_CHUNK_BYTES", x[0].nbytes * 3)   # chunks of 3 images
         two = cpu.conv2d_forward(x, weights, geom, 1)
     finally:
         threads.set_thread_count(previous)

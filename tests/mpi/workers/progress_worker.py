@@ -12,7 +12,8 @@ import time
 import numpy as np
 from google.protobuf import text_format
 
-from caffempi.backend import cpu, threads
+from caffempi.backend import threads
+from caffempi.backend.cpu import chunking
 from caffempi.net import Net
 from caffempi.parallel.comm import get_world
 from caffempi.parallel.collectives import Collectives
@@ -36,7 +37,7 @@ def main(argv):
     sfb = "sfb" in argv
     world = get_world("overlap")
     install_abort_handlers(world)
-    cpu._COL_CHUNK_BYTES = 4096          # a chunk per image or two
+    chunking.COL_CHUNK_BYTES = 4096          # a chunk per image or two
     param = caffe_pb2.NetParameter()
     text_format.Merge(NET, param)
     net = Net(param)
