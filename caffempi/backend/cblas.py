@@ -4,8 +4,8 @@ through the CBLAS of NumPy's own BLAS library, called with ctypes.
 ctypes releases the GIL for the call.  SciPy's BLAS wrappers (what this
 replaces) hold it: every weight-gradient GEMM stalled the communication
 thread, the data readers and the other intra-op threads for its whole
-length (32 ms for CaffeNet's fc6 at 8 images; measured with a thread
-ticking every 0.5 ms).  NumPy has no beta = 1 product without a temporary.
+length (docs/design/cpu.md).  NumPy has no beta = 1 product without a
+temporary.
 
 :data:`gemm` is None where NumPy's BLAS is not an OpenBLAS with its CBLAS
 exported (NumPy's PyPI wheels ship ``scipy_openblas``, ILP64 with suffixed

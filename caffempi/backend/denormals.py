@@ -2,10 +2,11 @@
 
 x86 handles denormal (subnormal) floats in microcode: a step whose values
 underflow (a net driven to zero loss, the decaying momentum of dead units)
-ran 20-45x slower.  Setting MXCSR's FTZ (results that would be denormal are
-0) and DAZ (denormal inputs read as 0) removes that cost, as
-``torch.set_flush_denormal(True)`` does; it changes only values below
-1.2e-38, far under float32's precision of any weight or gradient.
+ran many times slower (docs/configuration.md).  Setting MXCSR's FTZ
+(results that would be denormal are 0) and DAZ (denormal inputs read as 0)
+removes that cost, as ``torch.set_flush_denormal(True)`` does; it changes
+only values below 1.2e-38, far under float32's precision of any weight or
+gradient.
 
 MXCSR is per thread.  :func:`apply_here` sets it in the calling thread when
 :attr:`caffempi.config.settings.ftz` is on (``CAFFEMPI_FTZ``, default 1):

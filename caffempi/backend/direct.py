@@ -2,12 +2,11 @@
 compiled for this machine at first use and called through ctypes, which
 releases the GIL (backend/llvm.py).
 
-Why: OpenBLAS runs the convolutions' products at 45-55 GFLOP/s where a
-group has few output channels (CIFAR10-quick's 32 and 64), against 80-85 for
-a square sgemm: every column of the unfolded input is packed for only O/group
-outputs.  A direct kernel reads the padded input where it lies and keeps its
-sums in registers for the whole reduction (measurements: :func:`suits` and
-docs/design/cpu.md).
+Why: OpenBLAS runs the convolutions' products well below its rate for a
+square sgemm where a group has few output channels (CIFAR10-quick's 32 and
+64): every column of the unfolded input is packed for only O/group outputs.
+A direct kernel reads the padded input where it lies and keeps its sums in
+registers for the whole reduction (measurements: docs/design/cpu.md).
 
 The kernel.  A tile is ``OUT_BLOCK`` output channels (two 8-float vectors)
 by up to ``PIXELS`` neighbouring outputs of one output row; its 2 x PIXELS
@@ -148,27 +147,13 @@ def available():
     return bool(config.settings.direct_conv) and _compiled() is not None
 
 
-# Where the direct kernel is used (:func:`suits`).  Forward at 1 thread,
-# direct / GEMM kernels of backend.cpu, ms, medians of 5 alternating pairs,
-# AMD EPYC (Zen 3), 2026-11-25, two runs on a busy host (the second slower
-# throughout): CIFAR10-quick (batch 100) conv1 8.9 / 12.2 and 16.2 / 20.2,
-# conv2 18.5 / 26.0 and 33.8 / 38.1, conv3 11.3 / 12.5 and 16.3 / 18.8;
-# CaffeNet (8) conv1 (11x11/4, 96 outputs) 25.6 / 31.3 and 47.6 / 49.9;
-# ResNet-50 (8) conv1 (7x7/2) 44.9 / 72.0 and 71.9 / 84.6.  Not used where
-# it was level or lost: more than 64 outputs a group at stride 1 (CaffeNet
-# conv2, 128: 55.4 / 60.9 then 76.4 / 69.6; ResNet's 3x3 at 28x28, 128:
-# 39.3 / 38.7); outputs that leave a block part empty (LeNet's conv2, 50 in
-# blocks of 16: 4.7 / 4.5, 6.8 / 6.5); a short reduction (LeNet's conv1,
-# 25 = 1 x 5 x 5: 6.2 / 4.4, its tiles' stores weigh); a long one, whose
-# weight blocks leave the fast caches while the GEMMs pack their operands
-# once for many outputs (CaffeNet's conv3, 2304 = 256 x 3 x 3: 51.2 / 44.4,
-# 62.0 / 47.0; ResNet's 3x3 at 14x14: 46.8 / 41.8).  With at most 32
-# outputs a group the GEMMs stay slow at any reduction (2026-11-25, third
-# session, 1 thread, medians of 7 alternating pairs): 1600 = 64 x 5 x 5 (the
-# data gradient of CIFAR10-quick's conv3) 8.2 / 12.2 ms, 1728 = 192 x 3 x 3
-# 17.2 / 19.3, 2400 at 16 outputs 14.7 / 17.9, 3200 10.9 / 12.3, 4608 8.5 /
-# 9.1; with 48 and 64 outputs the limit holds (1600: 14.9 / 16.5 and 18.3 /
-# 18.9; 1728 at 64: 33.4 / 29.4; 2304 at 64: 12.6 / 12.1).
+# Where the direct kernel beats the GEMM kernels (:func:`suits`): a
+# reduction of at least _MIN_REDUCTION (in shorter ones its tiles' stores
+# weigh), whole blocks of outputs a group, and either at most _FEW_OUTPUTS
+# outputs a group (the GEMMs' weakest shapes, at any reduction) or a
+# reduction of at most _MAX_REDUCTION (in longer ones the weight blocks
+# leave the fast caches) with at most _MAX_OUTPUTS outputs a group or a
+# stride over 1 (docs/design/cpu.md, "Where the direct kernel is used").
 _MIN_REDUCTION = 64
 _MAX_REDUCTION = 1536
 _MAX_OUTPUTS = 64
@@ -178,7 +163,7 @@ _FEW_OUTPUTS = 32
 def suits(cg, og, geom):
     """Whether a convolution of ``cg`` input and ``og`` output channels per
     group and window ``geom`` runs faster by the direct kernel than by the
-    GEMM kernels here (see the measurements above)."""
+    GEMM kernels here (see the bounds above)."""
     kh, kw, sh, sw = geom[:4]
     k = cg * kh * kw
     return (k >= _MIN_REDUCTION and og % OUT_BLOCK == 0

@@ -153,7 +153,7 @@ def im2col_conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_
 
 def conv2d_forward(x, w, geom, group, bias=None, *, use_cudnn=False):
     """cuDNN's convolution when ``use_cudnn`` (the layer's engine) and the
-    library loads, since it is 2-3x faster than im2col + GEMM; else ours."""
+    library loads, since it runs them faster than im2col + GEMM; else ours."""
     if use_cudnn and cudnn.available():
         return cudnn.conv2d_forward(x, w, geom, group, bias)
     return im2col_conv2d_forward(x, w, geom, group, bias)
@@ -325,8 +325,8 @@ def spatial_window_sum(a, size, pre):
 
 # -------------------------------------------------------------------- dropout
 # A counter-based draw (splitmix64 of seed + index): no generator state on
-# the device, one host draw per mask.  Host draws and an upload took 14 ms
-# per AlexNet fc layer at batch 256.
+# the device, one host draw per mask, where drawing on the host and
+# uploading was a large part of a fc layer's time (docs/design/gpu.md).
 _dropout = cp.ElementwiseKernel(
     "uint64 seed, float64 ratio, T scale", "T mask",
     """

@@ -94,10 +94,9 @@ def ave_pool_backward(xp, dy, geom, x_shape):
 
 def _negative_power(xp, scale, beta):
     """scale ** -beta (scale >= k > 0).  Caffe's nets use beta = 0.75,
-    taken as 1 / sqrt(scale * sqrt(scale)): NumPy's power is scalar on
-    AVX2 (6.5 ms for CaffeNet's norm1, 0.56M values, against 0.8 for the
-    square roots); four roundings against power's one: 1.3e-7 relative
-    error at most there, against power's 6e-8."""
+    taken as 1 / sqrt(scale * sqrt(scale)), since NumPy's power is a scalar
+    loop on AVX2 hosts (docs/design/cpu.md, "LRN"); four roundings against
+    power's one: 1.3e-7 relative error at most, against power's 6e-8."""
     if beta != 0.75:
         return xp.power(scale, scale.dtype.type(-beta))
     r = xp.sqrt(scale)
