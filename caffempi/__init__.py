@@ -8,7 +8,7 @@ from .net import Net
 __version__ = "0.1.0"
 __all__ = ["Blob", "CaffeError", "Net", "TEST", "TRAIN", "set_random_seed", "set_mode_cpu",
            "set_mode_gpu", "set_device"]
-from .solvers import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: E402
+from .pycaffe import (AdaDeltaSolver, AdaGradSolver, AdamSolver, NesterovSolver,  # noqa: E402
                       RMSPropSolver, SGDSolver, get_solver)
 __all__ += ["get_solver", "SGDSolver", "NesterovSolver", "AdaGradSolver", "RMSPropSolver",
             "AdaDeltaSolver", "AdamSolver"]

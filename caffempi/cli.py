@@ -55,8 +55,8 @@ FLAGS.define("data_shape", "", "Optional; for 'time': C,H,W of images from a dat
 FLAGS.define("debug", False, "Show Python tracebacks instead of one-line errors.")
 FLAGS.define("memory", "reuse", "Optional; activation memory plan: none, reuse or recompute (offload needs a GPU).")
 # MPI data parallelism: --ranks, --comm, --bucket_mb, --sync, --tau, --alpha ...
-from .parallel.launch import add_parallel_flags  # noqa: E402
-add_parallel_flags(FLAGS.define)
+from .parallel.config import ParallelConfig  # noqa: E402
+ParallelConfig.define_flags(FLAGS.define)
 
 
 def parse_args(argv):
@@ -167,11 +167,8 @@ def train(flags):
         param.weights.append(flags.weights)
     # Under mpirun: MPI, per-rank logging, abort on any rank's error, the
     # gradient strategy.  Without a launcher: one process, no MPI import.
-    from .parallel.launch import setup_parallel
-    world, sync = setup_parallel(flags.comm, flags.bucket_mb, flags.sync, flags.tau, flags.alpha,
-                                 debug=flags.debug, comm_timeout=flags.comm_timeout, sfb=flags.sfb,
-                                 link_gbps=flags.link_gbps, gemm_gflops=flags.gemm_gflops,
-                                 comm_dtype=flags.comm_dtype, ranks=flags.ranks)
+    from .parallel.rank import setup_parallel
+    world, sync = setup_parallel(ParallelConfig.from_flags(flags), debug=flags.debug)
     xp = select_backend(flags, param, world)
     tune_allocator()        # a start-up step of the command, not of building a Net
     handler = SignalHandler(effects)
@@ -344,7 +341,7 @@ def _is_root():
 def _exit_code(rc):
     """Under MPI a failing rank aborts the whole job (MPI_Abort) instead of
     exiting alone, which would leave the other ranks waiting forever."""
-    from .parallel.launch import exit_code
+    from .parallel.rank import exit_code
     return exit_code(rc)
 
 

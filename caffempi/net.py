@@ -179,10 +179,6 @@ class Net:
         # per-layer callbacks fn(layer_index), BVLC master's Net::Callback:
         # the user's (net.before_forward(fn) ...) and the gradient sync's
         self._hooks = {when: [] for when in LAYER_HOOKS}
-        # Backward seeds each loss top with loss_weight * gradient_scale, and
-        # every gradient is linear in that seed: a gradient sync that sums the ranks'
-        # gradients sets 1/N here and gets their mean with no pass over them.
-        self.gradient_scale = 1.0
         self._init_layers()
         self._init_params()
         self._init_backward()
@@ -449,41 +445,19 @@ class Net:
             if self.layer_need_backward[i]:
                 if mm:
                     mm.before_backward(i)
-                layer, tops = self.layers[i], self.top_vecs[i]
-                scale = self.gradient_scale
-                if scale != 1.0 and layer.may_ignore_loss_diff and self.loss_weights[i]:
-                    self._backward_at_unit_scale(i, scale)
-                else:
-                    for j, w in self.loss_weights[i]:
-                        tops[j].diff = self.xp.full(tops[j].shape, w * scale, self.dtype)
-                    layer.backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
-            if mm:
-                mm.after_backward(i)
+                tops = self.top_vecs[i]
+                for j, w in self.loss_weights[i]:
+                    tops[j].diff = self.xp.full(tops[j].shape, w, self.dtype)
+                self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
+            # the hooks see the blobs as backward left them (a gradient
+            # strategy reads a layer's factors there), then the memory plan
+            # may drop them
             for hook in after:
                 hook(i)
+            if mm:
+                mm.after_backward(i)
 
     _forward, _backward = forward_range, backward_range      # pycaffe's _caffe.cpp names
-
-    def _backward_at_unit_scale(self, i, scale):
-        """Layer i's backward as in one process (its loss tops' diffs hold
-        the loss weights, its other tops' diffs divided by ``scale``), then
-        its bottom diffs and this pass's parameter diff increments times
-        ``scale``: right whether or not the layer reads its loss diffs
-        (backward is linear in the top diffs)."""
-        layer, tops, bottoms = self.layers[i], self.top_vecs[i], self.bottom_vecs[i]
-        loss_tops = {j for j, _ in self.loss_weights[i]}
-        for j, w in self.loss_weights[i]:
-            tops[j].diff = self.xp.full(tops[j].shape, w, self.dtype)
-        for j, top in enumerate(tops):
-            if j not in loss_tops:
-                top.diff = top.diff / scale
-        before = [p.diff.copy() for p in layer.blobs]
-        layer.backward(tops, self.bottom_need_backward[i], bottoms)
-        for bottom, need in zip(bottoms, self.bottom_need_backward[i]):
-            if need:
-                bottom.diff = bottom.diff * scale
-        for p, old in zip(layer.blobs, before):
-            p.diff[...] = old + (p.diff - old) * scale
 
     def forward(self, blobs=None, start=None, end=None, **kwargs):
         """pycaffe's forward: copy ``kwargs`` (input name -> array with the

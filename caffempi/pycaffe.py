@@ -1,12 +1,15 @@
 """pycaffe's module-level functions and classes that are neither nets nor
-solvers nor layers (BVLC's ``_caffe.cpp``): Timer, init_log/log, the
-multi-GPU settings (solver_count, solver_rank, set_multiprocess, has_nccl)
-and NCCL.  ``caffempi/__init__.py`` exports them as ``caffe.<name>``.
+layers (BVLC's ``_caffe.cpp``): the solvers as pycaffe makes them, Timer,
+init_log/log, the multi-GPU settings (solver_count, solver_rank,
+set_multiprocess, has_nccl) and NCCL.  ``caffempi/__init__.py`` exports
+them as ``caffe.<name>``.
 
 caffempi's solvers train together as the ranks of an MPI job, one process
-and one solver each; a solver made under ``mpiexec -n N python script.py``
-shards the data and averages the gradients by itself
-(:func:`caffempi.parallel.launch.default_gradient_sync`).  So the settings
+and one solver each; a pycaffe solver (``caffe.SGDSolver(path)``,
+``caffe.get_solver(path)``) made under ``mpiexec -n N python script.py``
+shards the data and averages the gradients by itself, with train's default
+strategy (:func:`caffempi.parallel.rank.default_gradient_sync`), where
+caffempi.solvers' own classes take one process unless given ``sync=``.  So the settings
 that BVLC's ``python/train.py`` makes in each process it starts report the
 job (solver_count, solver_rank) and accept only values that agree with it;
 NCCL, with which that script joins its processes, is refused with the
@@ -18,13 +21,35 @@ import numpy as np
 
 from .backend import default_array_module, usable_cupy
 from .common import SEVERITY_LEVELS, CaffeError, log as caffe_log
+from . import solvers
 from .parallel.comm import SingleWorld, launched_by_mpi
-from .parallel.launch import init_rank_logging, script_world
+from .parallel.rank import default_gradient_sync, init_rank_logging, script_world
 
 RUN_UNDER_MPIEXEC = ("caffempi's solvers are the ranks of an MPI job, not processes a script starts: run the "
                      "script under 'mpiexec -n N python script.py' (each rank builds one solver, which shards "
                      "the data and averages its gradients with the other ranks' by itself, over NCCL on GPUs "
                      "where it can), or train with 'caffempi train --solver=... --gpu=0,1,...'")
+
+
+def pycaffe_solver(cls):
+    """``cls`` as pycaffe's ``caffe.<Type>Solver``: made without ``sync=``,
+    it takes the job's default strategy (data parallel under a launcher)."""
+    def __init__(self, param, xp=None, sync=None, *args, **kwargs):
+        cls.__init__(self, param, xp, default_gradient_sync() if sync is None else sync, *args, **kwargs)
+    return type(cls.__name__, (cls,), {"__init__": __init__, "__doc__": cls.__doc__, "__module__": __name__,
+                                       "__qualname__": cls.__qualname__})
+
+
+SOLVER_TYPES = {name: pycaffe_solver(cls) for name, cls in solvers.SOLVER_TYPES.items()}
+SGDSolver, NesterovSolver, AdaGradSolver, RMSPropSolver, AdaDeltaSolver, AdamSolver = (
+    SOLVER_TYPES[cls.type] for cls in (solvers.SGDSolver, solvers.NesterovSolver, solvers.AdaGradSolver,
+                                       solvers.RMSPropSolver, solvers.AdaDeltaSolver, solvers.AdamSolver))
+
+
+def get_solver(param, **kwargs):
+    """pycaffe's ``caffe.get_solver(path)``: the solver of the parameter's
+    type, with the job's default strategy unless given ``sync=``."""
+    return solvers.get_solver(param, SOLVER_TYPES, **kwargs)
 
 
 class Timer:
@@ -103,7 +128,7 @@ def log(message):
 
 def job_world():
     """The MPI job's world under a launcher (made and started there as a
-    solver would: launch.script_world), else a one-process world."""
+    solver would: rank.script_world), else a one-process world."""
     return script_world() if launched_by_mpi() else SingleWorld()
 
 

@@ -7,10 +7,10 @@ import numpy as np
 import pytest
 from google.protobuf import text_format
 
-import caffempi
 from caffempi.common import CaffeError
 from caffempi.layer_types.base import LAYER_REGISTRY, Layer, register
 from caffempi.proto import caffe_pb2
+from caffempi import solvers
 from caffempi.solvers import get_solver, lr_policy
 
 N, D, K = 4, 3, 2
@@ -206,9 +206,9 @@ def test_every_solver_type_matches_reference(solver_text):
                                    rtol=2e-5, atol=1e-9)
 
 
-@pytest.mark.parametrize("legacy,cls", [("SGD", caffempi.SGDSolver), ("NESTEROV", caffempi.NesterovSolver),
-                                        ("ADAGRAD", caffempi.AdaGradSolver), ("RMSPROP", caffempi.RMSPropSolver),
-                                        ("ADADELTA", caffempi.AdaDeltaSolver), ("ADAM", caffempi.AdamSolver)])
+@pytest.mark.parametrize("legacy,cls", [("SGD", solvers.SGDSolver), ("NESTEROV", solvers.NesterovSolver),
+                                        ("ADAGRAD", solvers.AdaGradSolver), ("RMSPROP", solvers.RMSPropSolver),
+                                        ("ADADELTA", solvers.AdaDeltaSolver), ("ADAM", solvers.AdamSolver)])
 def test_legacy_solver_type_enum(legacy, cls):
     s = make_solver('base_lr: 0.01 lr_policy: "fixed" solver_type: %s' % legacy)
     assert type(s) is cls

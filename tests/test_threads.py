@@ -193,8 +193,8 @@ def test_an_error_in_a_chunk_comes_through(thread_counts):
 
 @pytest.mark.parametrize("count", [1, 3])
 def test_progress_runs_in_the_installing_thread_after_each_of_its_chunks(count, thread_counts):
-    """The reducer's poll (threads.set_progress) runs between chunks, only
-    in the thread that installed it, until it is removed."""
+    """The reducer's poll (threads.progress) runs between chunks, only
+    in the thread that installed it, until the block ends."""
     events = []
     owner = threading.get_ident()
 
@@ -207,24 +207,24 @@ def test_progress_runs_in_the_installing_thread_after_each_of_its_chunks(count, 
 
     threads.set_thread_count(count)
     try:
-        assert threads.set_progress(progress) is None
-        threads.for_chunks(6, body)
-        mine = [e for e in events if e[1]]
-        assert len(mine) >= 2 and len(mine) % 2 == 0
-        assert all(e == ("progress", True) for e in mine[1::2])
-        assert ("progress", False) not in events
-        # another thread's regions do not call it
-        events.clear()
-        t = threading.Thread(target=threads.for_chunks, args=(3, body))
-        t.start()
-        t.join()
-        assert [e[0] for e in events] == ["chunk"] * 3
-        assert threads.set_progress(None) is progress
+        assert threads.progress_here() is None
+        with threads.progress(progress):
+            threads.for_chunks(6, body)
+            mine = [e for e in events if e[1]]
+            assert len(mine) >= 2 and len(mine) % 2 == 0
+            assert all(e == ("progress", True) for e in mine[1::2])
+            assert ("progress", False) not in events
+            # another thread's regions do not call it
+            events.clear()
+            t = threading.Thread(target=threads.for_chunks, args=(3, body))
+            t.start()
+            t.join()
+            assert [e[0] for e in events] == ["chunk"] * 3
+            assert threads.progress_here() is progress
         events.clear()
         threads.for_chunks(3, body)
         assert [e[0] for e in events] == ["chunk"] * 3
     finally:
-        threads.set_progress(None)
         threads.set_thread_count(1)
 
 

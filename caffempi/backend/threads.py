@@ -19,13 +19,16 @@ partial sums are folded in chunk order, so their results are bitwise the
 same for any thread count (products split by :func:`cpu.matmul` may differ
 in the last bits; see there).
 
-:func:`set_progress` installs a callable that the computing thread calls
-between chunks: the data-parallel transport uses it to poll its pending
-allreduces inside a long layer (MPI progresses only when called), without
-the kernels knowing about MPI.
+:func:`progress` makes the calling thread call a function between the
+chunks it runs, for the length of a ``with`` block: the solver runs backward
+inside ``with threads.progress(sync.progress)`` so that pending gradient
+sums progress inside a long layer (MPI moves a message only when called),
+without the kernels knowing about MPI.  The function is the calling
+thread's own (thread-local), so no other thread's kernels call it.
 
 History and measurements: docs/design/cpu.md
 """
+import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
@@ -37,7 +40,6 @@ _pool = None          # (threads, executor) of the T-1 helper threads
 _region = threading.Lock()   # one parallel region at a time
 _local = threading.local()
 _init_lock = threading.Lock()
-_progress = None      # (thread ident, callable) of set_progress
 
 
 def thread_count():
@@ -69,19 +71,22 @@ def set_thread_count(threads):
     return previous
 
 
-def set_progress(fn):
-    """Makes the calling thread call ``fn()`` after each chunk it runs in
-    :func:`for_chunks` (None stops that); returns the previous callable."""
-    global _progress
-    previous = _progress[1] if _progress else None
-    _progress = (threading.get_ident(), fn) if fn is not None else None
-    return previous
+@contextlib.contextmanager
+def progress(fn):
+    """Inside the block, the calling thread calls ``fn()`` after each chunk
+    it runs in :func:`for_chunks` (None: nothing); the previous function,
+    if any, is back after it (blocks nest)."""
+    previous = getattr(_local, "progress", None)
+    _local.progress = fn
+    try:
+        yield
+    finally:
+        _local.progress = previous
 
 
-def _progress_here():
-    """The progress callable if the calling thread installed it, else None."""
-    p = _progress
-    return p[1] if p is not None and p[0] == threading.get_ident() else None
+def progress_here():
+    """The function the calling thread calls between chunks, or None."""
+    return getattr(_local, "progress", None)
 
 
 def _executor(threads):
@@ -109,7 +114,7 @@ def for_chunks(count, body, fold=None):
     each result dropped once folded).  Runs serially where T is 1, inside
     another region, or while another thread holds one."""
     threads = min(count, thread_count())
-    progress = _progress_here()
+    progress = progress_here()
     if threads <= 1 or getattr(_local, "inside", False) or not _region.acquire(blocking=False):
         for i in range(count):
             r = body(i)

@@ -51,10 +51,6 @@ class Layer:
     # (BatchNorm): the net gives them lr_mult 0 when the prototxt has no param
     # spec, as Caffe does, and refuses a non-zero one.
     statistics_params = 0
-    # Backward may ignore its loss tops' diffs (pycaffe's Python loss layers
-    # do: BVLC's pyloss.py never reads top[0].diff), so the net runs it at
-    # gradient scale 1 and scales what it produced (Net.backward_range).
-    may_ignore_loss_diff = False
     # (rank, size) of this process's share of the data; data layers read
     # records i with i % size == rank.  Set by the net before setup.
     data_shard = (0, 1)
@@ -73,14 +69,9 @@ class Layer:
     # updates are undone by the planner): --memory=recompute may drop its
     # outputs and state after forward and run it again in backward.
     recompute_cheap = False
-    # Sufficient factors (Poseidon's SFB): a layer whose weight gradient is a
-    # sum of outer products over the batch, dW = dy^T x over M rows, says so
-    # through factor_shape().  A gradient strategy that forms dW from every
-    # rank's factors sets weight_grad_from_factors: backward then leaves
-    # blobs[0].diff alone and keeps (dy, x) in ``factors`` for the strategy.
-    weight_grad_from_factors = False
-    factor_transposed = False
-    factors = None
+    # Indices of the param blobs whose diffs backward leaves alone
+    # (set_param_propagate_down); an instance gets its own set.
+    _frozen_param_diffs = frozenset()
 
     def __init__(self, layer_param, phase=TRAIN, xp=np, dtype=np.float32):
         self.param = layer_param
@@ -105,11 +96,26 @@ class Layer:
         if any(propagate_down):
             raise CaffeError("layer '%s' (%s) cannot backpropagate to its bottoms" % (self.name, self.type))
 
-    def factor_shape(self):
-        """(M, N, K) when blobs[0]'s gradient is dy^T x with dy (M, N) and x
-        (M, K) (stored as (N, K), or (K, N) when ``factor_transposed``), else
-        None."""
+    def weight_factors(self):
+        """How ``blobs[0]``'s gradient is made, where it is a sum of outer
+        products over the rows of a batch: ``(rows, transposed)``, the
+        gradient adding dy^T x (x^T dy when ``transposed``) for dy the first
+        top's diff as a (rows, N) matrix and x the first bottom's data as
+        (rows, K); else None.  Who forms that gradient another way (from
+        every rank's factors: Poseidon's sufficient factors) turns
+        :meth:`param_propagate_down` of blob 0 off."""
         return None
+
+    def param_propagate_down(self, index):
+        """Whether backward adds to ``blobs[index].diff`` (Caffe's
+        Layer::param_propagate_down); layers that can skip a param's
+        gradient ask it."""
+        return index not in self._frozen_param_diffs
+
+    def set_param_propagate_down(self, index, value):
+        frozen = set(self._frozen_param_diffs)
+        (frozen.discard if value else frozen.add)(index)
+        self._frozen_param_diffs = frozenset(frozen)
 
     def allow_force_backward(self, bottom_index):
         """False for bottoms that take no gradient (e.g. a loss's labels)."""

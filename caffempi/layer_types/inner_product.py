@@ -15,10 +15,10 @@ def _canonical_axis(layer, axis, ndim):
 
 @register("InnerProduct")
 class InnerProductLayer(Layer):
-    backward_reads_top_data = False
     """top = bottom (flattened from ``axis``) x W^T + b, with W of shape
     (num_output, K), or (K, num_output) when ``transpose`` is set."""
 
+    backward_reads_top_data = False
     exact_num_bottom = 1
     exact_num_top = 1
 
@@ -75,22 +75,17 @@ class InnerProductLayer(Layer):
                 y += self.blobs[1].data
         top[0].data = y.reshape(top[0].shape)
 
-    def factor_shape(self):
-        return self.M, self.num_output, self.K
-
-    @property
-    def factor_transposed(self):
-        return self.transpose
+    def weight_factors(self):
+        return self.M, self.transpose
 
     def backward(self, top, propagate_down, bottom):
         dy = top[0].diff.reshape(self.M, self.num_output)
         x = bottom[0].data.reshape(self.M, self.K)
-        if self.weight_grad_from_factors:
-            self.factors = (dy, x)
-        elif self.transpose:
-            kernels.matmul_into(self.xp, x.T, dy, self.blobs[0].diff, accumulate=True)
-        else:
-            kernels.matmul_into(self.xp, dy.T, x, self.blobs[0].diff, accumulate=True)
+        if self.param_propagate_down(0):
+            if self.transpose:
+                kernels.matmul_into(self.xp, x.T, dy, self.blobs[0].diff, accumulate=True)
+            else:
+                kernels.matmul_into(self.xp, dy.T, x, self.blobs[0].diff, accumulate=True)
         if self.bias_term:
             self.blobs[1].diff += dy.sum(axis=0)
         if propagate_down[0]:
@@ -99,10 +94,10 @@ class InnerProductLayer(Layer):
 
 @register("Embed")
 class EmbedLayer(Layer):
-    backward_reads_top_data = False
     """Looks up rows of a (input_dim, num_output) table by the integer values
     held (as floats) in the bottom; top shape is bottom shape + (num_output,)."""
 
+    backward_reads_top_data = False
     exact_num_bottom = 1
     exact_num_top = 1
 

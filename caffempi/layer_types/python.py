@@ -112,12 +112,10 @@ class PythonLayer(base.Layer):
     its parameters join the gradient exchange like any layer's.  On the GPU
     backend the blobs hold CuPy arrays, not pycaffe's NumPy ones: such a layer
     must work on either (``cupy.get_array_module``).  A pycaffe loss layer
-    need not read its top's diff (BVLC's pyloss.py does not): the net runs
-    it at unit gradient scale (``may_ignore_loss_diff``), so data-parallel
-    averaging holds for it too.
+    need not read its top's diff (BVLC's pyloss.py does not): data-parallel
+    averaging scales the summed gradients, not backward's seed, so it holds
+    for such a layer too.
     """
-
-    may_ignore_loss_diff = True
 
     def __init__(self, layer_param, phase=TRAIN, xp=np, dtype=np.float32):
         super().__init__(layer_param, phase, xp, dtype)

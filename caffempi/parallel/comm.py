@@ -74,6 +74,7 @@ class World(ABC):
     is_mpi = False
     comm = None          # the mpi4py communicator, None without MPI
     MPI = None           # the mpi4py.MPI module, None without MPI
+    started = False      # rank.start_rank ran: logging, abort handlers, cores set up
 
     @property
     def is_root(self):
@@ -319,7 +320,7 @@ def get_world(comm=None):
     calls MPI from the main thread only (the data threads hand their errors
     to it) and asks for MPI_THREAD_FUNNELED, since under MULTIPLE MPICH
     takes a lock in every call.  (``async`` also needs MPICH's progress
-    thread, an environment setting made before this: launch.init_process.)"""
+    thread, an environment setting made before this: rank.init_process.)"""
     global _world
     if _world is not None:
         return _world

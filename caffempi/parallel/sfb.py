@@ -19,17 +19,21 @@ A layer falls back to the allreduce, with its reason in the log, when its
 weight is shared with another layer (its gradient has several parts),
 under ``iter_size`` > 1 (the factors of each sub-batch would have to be
 kept), and on GPU nets.
+
+:class:`SufficientFactors` is a plug-in of the reducer
+(:class:`~caffempi.parallel.sync.ReducerPlugin`): it claims the chosen
+weights, reads each layer's factors in the backward hook (the layer says
+what they are through ``Layer.weight_factors``), gathers them while
+backward goes on, and forms the mean gradients in ``finish``.
 """
-import math
 import time
 
 import numpy as np
 
-from ..backend import half, kernels, threads
+from ..backend import kernels
 from ..common import CaffeError, log
-from .sync import BucketedAllreduce
+from .sync import ReducerPlugin
 from .transports.base import yield_core
-from .transports.compressed import bucket_scale
 
 SFB_MODES = ("auto", "on", "off")
 _ITEM = 4          # float32 bytes
@@ -46,6 +50,17 @@ def factor_plan(layers, ranks, bandwidth, latency, gemm_rate):
         extra_gemm = 2.0 * (ranks - 1) * m * n * k / gemm_rate
         out.append((gather + extra_gemm < full, full, gather + extra_gemm))
     return out
+
+
+def factor_shape(layer):
+    """(M, N, K) of a layer whose weight gradient is a sum of M outer
+    products of N- and K-vectors (``Layer.weight_factors``), else None."""
+    factors = layer.weight_factors()
+    if factors is None:
+        return None
+    rows, transposed = factors
+    n, k = layer.blobs[0].shape[::-1] if transposed else layer.blobs[0].shape
+    return rows, n, k
 
 
 def measure_gemm_rate(repeats=1):
@@ -77,63 +92,58 @@ def measure_weight_grad_seconds(rows, num_output, num_input, accumulate=False, r
     return best
 
 
-class SufficientFactorBroadcast(BucketedAllreduce):
-    """Gradient averaging with the weights of the chosen fully connected
-    layers formed from every rank's sufficient factors (the rest as
-    :class:`BucketedAllreduce`).  ``mode``: auto (the cost model chooses),
-    on (every eligible layer), off (none)."""
+class SufficientFactors(ReducerPlugin):
+    """The weights of the chosen fully connected layers formed from every
+    rank's sufficient factors.  ``mode``: auto (the cost model chooses), on
+    (every eligible layer), off (none); ``link_gbps``, ``gemm_gflops``: the
+    cost model's link and GEMM rate (0: measured at attach)."""
 
-    def __init__(self, world, comm="overlap", bucket_mb=None, first_bucket_mb=None, mode="auto",
-                 link_gbps=0.0, gemm_gflops=0.0, transport=None, comm_dtype="fp32"):
+    def __init__(self, mode="auto", link_gbps=0.0, gemm_gflops=0.0):
         if mode not in SFB_MODES:
             raise CaffeError("unknown --sfb '%s' (auto, on or off)" % mode)
-        kwargs = {k: v for k, v in (("bucket_mb", bucket_mb), ("first_bucket_mb", first_bucket_mb))
-                  if v is not None}
-        super().__init__(world, comm, transport=transport, comm_dtype=comm_dtype, **kwargs)
         self.mode = mode
         self.link_gbps = float(link_gbps)
         self.gemm_gflops = float(gemm_gflops)
+        self.world = None
+        self.net = None
+        self.compressor = None
         self.factor_layers = []        # (layer index, layer, param index of its weight)
         self._factor_at = {}           # layer index -> layer, of factor_layers
         self._comm = None
-        self._gathers = {}             # layer index -> (requests, [(send, recv)] of dy and x)
+        self._gathers = {}             # layer index -> (requests, [(shape, recv)] of dy and x)
 
     # --------------------------------------------------------------- set-up
-    def attach(self, net, iter_size=1):
-        if self.net is net:
-            return super().attach(net, iter_size)
-        if self.net is not None:
-            self.detach()
+    def attach(self, world, net, iter_size, compressor):
+        self.world, self.net, self.compressor = world, net, compressor
         self.factor_layers = []
-        if self.active and self.mode != "off":
+        if world.size > 1 and self.mode != "off":
             self.factor_layers = self._choose(net, max(1, int(iter_size)))
         for _, layer, _ in self.factor_layers:
-            layer.weight_grad_from_factors = True
-        self.exclude = tuple(p for _, _, p in self.factor_layers)
+            layer.set_param_propagate_down(0, False)
         self._factor_at = {i: layer for i, layer, _ in self.factor_layers}
         if self.factor_layers and self._comm is None:
-            with self.world.watch("the factor communicator's set-up"):
-                self._comm = self.world.comm.Dup()
-        super().attach(net, iter_size)
+            with world.watch("the factor communicator's set-up"):
+                self._comm = world.comm.Dup()
+        return [p for _, _, p in self.factor_layers]
 
     def detach(self):
         for _, layer, _ in self.factor_layers:
-            layer.weight_grad_from_factors = False
-            layer.factors = None
+            layer.set_param_propagate_down(0, True)
         self.factor_layers = []
         self._factor_at = {}
-        self.exclude = ()
-        super().detach()
+        self._gathers = {}
+        self.net = None
 
     def close(self):
-        super().close()
+        self.detach()
         if self._comm is not None:
             self._comm.Free()
             self._comm = None
 
-    def _eligible(self, net, iter_size):
+    def eligible(self, world, net, iter_size):
         """[(layer index, layer, weight's param index, (M, N, K))] of the
         layers that could use factors, logging why the others cannot."""
+        self.world = world
         owners = {}
         for layer in net.layers:
             for blob in layer.blobs:
@@ -141,7 +151,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         param_of = {id(b): p for p, b in enumerate(net.learnable_params)}
         out = []
         for i, layer in enumerate(net.layers):
-            shape = layer.factor_shape()
+            shape = factor_shape(layer)
             if shape is None or not net.layer_need_backward[i] or id(layer.blobs[0]) not in param_of:
                 continue
             why = None
@@ -158,7 +168,7 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         return out
 
     def _choose(self, net, iter_size):
-        candidates = self._eligible(net, iter_size)
+        candidates = self.eligible(self.world, net, iter_size)
         if not candidates:
             return []
         if self.mode == "on":
@@ -210,91 +220,78 @@ class SufficientFactorBroadcast(BucketedAllreduce):
         return bandwidth, latency, rate
 
     def _info(self, msg, *args):
-        if self.collectives.is_root:
+        if self.world.rank == 0:
             log.info(msg, *args)
 
     # ------------------------------------------------------------ iteration
-    def start_iteration(self, net, iter_size=None):
-        super().start_iteration(net, iter_size)
+    def start_iteration(self):
         self._gathers = {}
 
     def on_layer_backward(self, layer_index):
-        super().on_layer_backward(layer_index)
-        if self._armed:
-            layer = self._factor_at.get(layer_index)
-            if layer is not None:
-                self._gather(layer_index, layer)
-            if not self._progress():
-                # the gathers progress between the chunks of the next layers'
-                # kernels too (MPI moves them only when called): between
-                # layers alone, LeNet's 0.3 MB at 1 Gbit/s crossed after
-                # backward.  This takes the place of what a polled transport
-                # installs there, its poll, which _progress_all calls.
-                threads.set_progress(self._progress_all)
+        layer = self._factor_at.get(layer_index)
+        if layer is not None:
+            self._gather(layer_index, layer)
 
-    def _progress_all(self):
-        self.transport.poll()
-        self._progress()
+    def _factors(self, i, layer):
+        """(dy, x) of layer i as backward left them (Layer.weight_factors)."""
+        rows, _ = layer.weight_factors()
+        top, bottom = self.net.top_vecs[i][0], self.net.bottom_vecs[i][0]
+        return top.diff.reshape(rows, -1), bottom.data.reshape(rows, -1)
 
     def _gather(self, i, layer):
-        """Start the all-gathers of a layer's factors (its backward just ran).
-        With --comm_dtype=fp16 a factor crosses as float16 (as uint16: MPI
-        has no float16 type), scaled by this rank's power of two, whose
-        exponent rides as one more float16 value: top diffs have gradients'
-        magnitudes, float16 subnormals that would keep few bits."""
+        """Start the all-gathers of a layer's factors (its backward just ran),
+        through the compressor where there is one (each factor with its own
+        scale inside the message: top diffs have gradients' magnitudes,
+        float16 subnormals that would keep few bits)."""
         requests, buffers = [], []
         with self.world.watch("the sufficient factors of layer '%s'" % self.net.layer_names[i]):
-            for f in layer.factors:
-                if self.comm_dtype == "fp16":
-                    f = np.asarray(f)
-                    scale = bucket_scale(float(np.abs(f).max()) if f.size else 0.0, 1)
-                    send = np.empty(f.size + 1, np.float16)
-                    half.to_half(f, scale, send[:-1])
-                    send[-1] = math.log2(scale)
-                    as_sent = send.view(np.uint16)
+            for f in self._factors(i, layer):
+                if self.compressor is not None:
+                    send = self.compressor.encode(f)
+                    as_sent = send.view(self.compressor.wire_view)
                 else:
                     send = as_sent = np.ascontiguousarray(f)
                 recv = np.empty((self.world.size,) + send.shape, send.dtype)
                 requests.append(self._comm.Iallgather(as_sent, recv.view(as_sent.dtype)))
                 buffers.append((np.shape(f), recv))
-        layer.factors = None
         self._gathers[i] = (requests, buffers)
 
-    def _all_rows(self, shape, recv, dtype):
+    def _all_rows(self, shape, recv, dtype, scale):
         """Every rank's rows of one gathered factor of ``shape`` (M x ...), as
-        (ranks * M) x rest in ``dtype``, unscaled where it came as float16."""
-        if self.comm_dtype == "fp16":
-            rows = np.empty((len(recv), recv.shape[1] - 1), dtype)
+        (ranks * M) x rest in ``dtype``, times ``scale``."""
+        if self.compressor is None:
+            rows = np.asarray(recv, dtype)
+            if scale != 1.0:
+                rows = rows * dtype.type(scale)
+        else:
+            rows = np.empty((len(recv), int(np.prod(shape))), dtype)
             for row, sent in zip(rows, recv):
-                half.from_half(sent[:-1], 2.0 ** -float(sent[-1]), row)
-            recv = rows
-        return np.asarray(recv, dtype).reshape(self.world.size * shape[0], -1)
+                self.compressor.decode(sent, row, scale)
+        return rows.reshape(self.world.size * shape[0], -1)
 
-    def _progress(self):
+    def progress(self):
         """Test the pending gathers; True when none is pending."""
         pending = [r for requests, _ in self._gathers.values() for r in requests]
         return not pending or self.world.MPI.Request.Testall(pending)
 
-    def finish(self, net):
-        t0 = time.perf_counter()
-        if self.active:
-            for i, layer, p in self.factor_layers:
-                if i not in self._gathers:       # backward was not hooked (blocking)
-                    self._gather(i, layer)
-            for i, layer, p in self.factor_layers:
-                requests, buffers = self._gathers.pop(i)
-                for r in requests:
-                    with self.world.watch("the sufficient factors of layer '%s'" % net.layer_names[i]):
-                        while not r.Test():
-                            self.transport.poll()
-                            yield_core()
-                dy, x = (self._all_rows(shape, recv, net.dtype) for shape, recv in buffers)
-                grad = layer.blobs[0].diff
-                if layer.factor_transposed:
-                    kernels.matmul_into(net.xp, x.T, dy, grad)
-                else:
-                    kernels.matmul_into(net.xp, dy.T, x, grad)
-                self.transport.poll()
-        waited = (time.perf_counter() - t0) + super().finish(net)
-        threads.set_progress(None)      # _progress_all, where no transport's backward_end took it out
-        return waited
+    def finish(self, net, scale, progress):
+        """Each layer's mean gradient: one GEMM over every rank's rows, the
+        scale folded into dy's rows (a few rows, not the N x K product)."""
+        for i, layer, p in self.factor_layers:
+            if i not in self._gathers:       # a backward the hook did not see
+                self._gather(i, layer)
+            requests, buffers = self._gathers.pop(i)
+            for r in requests:
+                with self.world.watch("the sufficient factors of layer '%s'" % net.layer_names[i]):
+                    while not r.Test():
+                        progress()
+                        yield_core()
+            (dy_shape, dy_recv), (x_shape, x_recv) = buffers
+            dy = self._all_rows(dy_shape, dy_recv, net.dtype, scale)
+            x = self._all_rows(x_shape, x_recv, net.dtype, 1.0)
+            grad = layer.blobs[0].diff
+            if layer.weight_factors()[1]:
+                kernels.matmul_into(net.xp, x.T, dy, grad)
+            else:
+                kernels.matmul_into(net.xp, dy.T, x, grad)
+            progress()

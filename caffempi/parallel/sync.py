@@ -9,23 +9,27 @@ Per iteration the solver calls::
 
     start_iteration(net, iter_size)
     before_pass(net, i, last)      # per forward/backward pass
-        net backward -> on_layer_backward(layer)   # after each layer's backward
+        with threads.progress(sync.progress):   # between backward's kernel chunks
+            net backward -> on_layer_backward(layer)   # after each layer's backward
     finish(net)                    # the gradients are combined
     ...clip, normalize, regularize, update...
     after_update(net)
 
 ``on_start(net)`` once before the first iteration, ``synchronize_model``
-before every test pass and snapshot.
+before every test pass and snapshot.  The strategy owns progress: its one
+:meth:`GradientSync.progress` drives its transport and plug-ins, and
+nothing it uses installs anything process-wide.
 """
 import time
 from abc import ABC, abstractmethod
 
 import numpy as np
 
+from ..backend import threads
 from ..common import CaffeError, log
 from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, bucket_segments, make_buckets
 from .collectives import Collectives
-from .transports import make_transport
+from .transports import make_compressor, make_transport
 
 
 class GradientSync(ABC):
@@ -77,6 +81,12 @@ class GradientSync(ABC):
     def on_layer_backward(self, layer_index):
         """The net's backward hook: layer ``layer_index``'s backward has run."""
 
+    def progress(self):
+        """Let pending communication progress; True when none is pending.
+        The solver calls it between the chunks of backward's kernels
+        (``threads.progress``), as MPI moves a message only when called."""
+        return True
+
     @abstractmethod
     def finish(self, net):
         """After the last pass: returns once ``net.param_diff`` holds what
@@ -97,26 +107,70 @@ class GradientSync(ABC):
         self.detach()
 
 
+class ReducerPlugin(ABC):
+    """A part of the gradient that :class:`BucketedAllreduce` does not sum in
+    its buckets, combined by other means (sufficient factors).
+
+    The reducer calls, on every rank in the same order: :meth:`attach`
+    (which returns the learnable params the plug-in claims: the buckets
+    leave them out), :meth:`start_iteration`, :meth:`on_layer_backward` after
+    each layer's backward of the pass that combines, :meth:`progress`
+    between layers and kernel chunks, :meth:`finish` after backward, and
+    :meth:`detach` / :meth:`close`."""
+
+    @abstractmethod
+    def attach(self, world, net, iter_size, compressor):
+        """Meet the net (collective); returns the indices of the learnable
+        params this plug-in combines.  ``compressor``: the --comm_dtype
+        :class:`~caffempi.parallel.compression.Compressor`, or None."""
+
+    def start_iteration(self):
+        """Before the iteration's passes."""
+
+    def on_layer_backward(self, layer_index):
+        """Layer ``layer_index``'s backward has run (in the combining pass)."""
+
+    def progress(self):
+        """Let pending work progress; True when none is pending."""
+        return True
+
+    @abstractmethod
+    def finish(self, net, scale, progress):
+        """After backward: the claimed params' diffs := ``scale`` times their
+        sum over the ranks.  ``progress`` is the reducer's, to call while
+        waiting (the buckets progress meanwhile)."""
+
+    def detach(self):
+        """Undo :meth:`attach` (the net's layers as they were)."""
+
+    def close(self):
+        """Release what :meth:`attach` took (collective)."""
+
+
 class BucketedAllreduce(GradientSync):
     """Gradient averaging: the gradients of whole layers, in buckets
     (:mod:`caffempi.parallel.buckets`), summed over the ranks through a
     transport as backward finishes each bucket (wait-free backprop), or in
-    one sum after backward where the transport cannot overlap.
+    one sum after backward where the transport cannot overlap; the params
+    that a plug-in claims are combined by the plug-in instead.
 
-    The sums are already means: ``attach`` sets the net's
-    ``gradient_scale`` to 1/N, so backward produces each rank's gradient
-    divided by N and no pass over the buffer follows the wait."""
+    The sums are means: each is started with the scale 1/N, which the
+    transport folds into a copy it makes anyway or applies once after the
+    sum (as Caffe's NCCL scales after the sum), so backward computes each
+    rank's own gradient, as one process would."""
 
     def __init__(self, world, comm="overlap", bucket_mb=DEFAULT_BUCKET_MB,
-                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None, comm_dtype="fp32"):
+                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None, comm_dtype="fp32", plugins=()):
         super().__init__(world)
         self.comm = comm
+        self.compressor = make_compressor(comm_dtype)
         self.comm_dtype = comm_dtype
         self.bucket_mb = bucket_mb
         self.first_bucket_mb = first_bucket_mb
         self.transport = transport       # made in attach(), for the net's buffers
+        self.plugins = list(plugins)
         self.buckets = []
-        self.exclude = ()                # learnable params summed by other means (a subclass's)
+        self._claimed = ()               # learnable params the plug-ins combine
         self._segments = []              # per bucket, the ranges summed
         self._ready = {}                 # bucket index by the layer that completes it
         self._hooked = False
@@ -124,6 +178,11 @@ class BucketedAllreduce(GradientSync):
         self._pass = 0
         self._armed = False
         self._explicit = False
+
+    @property
+    def scale(self):
+        """What the sums are multiplied by: 1/N, for the mean."""
+        return 1.0 / self.world.size
 
     def attach(self, net, iter_size=1):
         """Bucket the net's gradients and hook its backward."""
@@ -137,7 +196,10 @@ class BucketedAllreduce(GradientSync):
         self._top_layer = len(net.layers) - 1
         if not self.active:
             return
-        net.gradient_scale = 1.0 / self.world.size
+        claimed = set()
+        for plugin in self.plugins:
+            claimed.update(plugin.attach(self.world, net, self.iter_size, self.compressor))
+        self._claimed = tuple(sorted(claimed))
         if self.transport is None:
             with self.world.watch("the gradient transport's set-up"):
                 self.transport = make_transport(self.world, self.comm, net.xp, net.param_diff.nbytes,
@@ -145,13 +207,14 @@ class BucketedAllreduce(GradientSync):
         if not isinstance(net.param_diff, np.ndarray) and not self.transport.device_buffers:
             raise CaffeError("the %s transport needs host (NumPy) gradient buffers" % self.transport.name)
         if self.transport.overlaps_backward:
-            self.buckets = make_buckets(net, self.bucket_mb, self.first_bucket_mb, self.exclude)
+            self.buckets = make_buckets(net, self.bucket_mb, self.first_bucket_mb, self._claimed)
             self._ready = {b[0]: k for k, b in enumerate(self.buckets)}
-            net.add_backward_hook(self.on_layer_backward)
-            self._hooked = True
         else:       # one bucket, started by finish
             self.buckets = [(0, 0, net.param_diff.size, sorted(set(net.param_layer_index)))]
-        self._segments = [bucket_segments(net, b, self.exclude) for b in self.buckets]
+        if self.transport.overlaps_backward or self.plugins:     # plug-ins read what backward left
+            net.add_backward_hook(self.on_layer_backward)
+            self._hooked = True
+        self._segments = [bucket_segments(net, b, self._claimed) for b in self.buckets]
         mb = [sum(e - s for s, e in segs) * net.param_diff.itemsize / 2 ** 20 for segs in self._segments]
         self._names = ["gradient bucket %d of %d (%.2f MB, %s)" % (k + 1, len(mb), m, self.transport.name)
                        for k, m in enumerate(mb)]
@@ -161,17 +224,20 @@ class BucketedAllreduce(GradientSync):
             log.info("Data parallel over %d ranks (%s): %s", self.world.size, self.transport.name, desc)
 
     def detach(self):
-        if self.net is not None:
-            self.net.gradient_scale = 1.0
-            if self._hooked:
-                self.net.remove_backward_hook(self.on_layer_backward)
+        if self.net is not None and self._hooked:
+            self.net.remove_backward_hook(self.on_layer_backward)
+        for plugin in self.plugins:
+            plugin.detach()
         self._hooked = False
         self.net = None
         self.buckets = []
+        self._claimed = ()
         self._ready = {}
 
     def close(self):
         self.detach()
+        for plugin in self.plugins:
+            plugin.close()
         if self.transport is not None:
             self.transport.close()
 
@@ -181,6 +247,8 @@ class BucketedAllreduce(GradientSync):
         self._explicit = False
         self._armed = self.iter_size == 1
         self._handles = []
+        for plugin in self.plugins:
+            plugin.start_iteration()
 
     def before_pass(self, net, index, last):
         """Only the iteration's last backward starts the sums."""
@@ -193,22 +261,38 @@ class BucketedAllreduce(GradientSync):
             self._armed = self._pass >= self.iter_size
         if not self._armed:
             return
+        for plugin in self.plugins:
+            plugin.on_layer_backward(layer_index)
         k = self._ready.get(layer_index)
         if k is None:
-            self.transport.poll()
+            self.progress()
             return
         self._start(k)
 
+    def progress(self):
+        """The transport's poll, then each plug-in's; True when nothing is
+        pending."""
+        if not self.active:
+            return True
+        done = self.transport.poll()
+        for plugin in self.plugins:
+            done = plugin.progress() and done
+        return done
+
     def _start(self, k):
         with self.world.watch(self._names[k]):
-            self._handles.append([self.transport.allreduce_start(self.net.param_diff[s:e])
+            self._handles.append([self.transport.allreduce_start(self.net.param_diff[s:e], self.scale)
                                   for s, e in self._segments[k]])
 
     def finish(self, net):
-        """Wait for the sums (means: backward ran with the net's
-        gradient_scale at 1/N); returns the exposed seconds."""
+        """Wait for the sums (means); returns the exposed seconds."""
         t0 = time.perf_counter()
         if self.active:
+            # the plug-ins' work (the factor GEMMs) runs while the buckets
+            # progress between its kernel chunks
+            with threads.progress(self.progress):
+                for plugin in self.plugins:
+                    plugin.finish(net, self.scale, self.progress)
             self.transport.backward_end()
             # buckets backward did not start (a transport that does not
             # overlap, fewer passes than iter_size said, an unhooked
@@ -222,4 +306,3 @@ class BucketedAllreduce(GradientSync):
         self._handles = []
         self._armed = False
         return time.perf_counter() - t0
-

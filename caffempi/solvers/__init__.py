@@ -90,8 +90,9 @@ SOLVER_TYPES = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolv
                                            RMSPropSolver, AdaDeltaSolver, AdamSolver)}
 
 
-def get_solver(param, **kwargs):
-    """The solver of the parameter's type, from a path or a SolverParameter."""
+def solver_param(param, kwargs):
+    """(SolverParameter, kwargs) of a path or a SolverParameter (a copy,
+    upgraded), kwargs with the path as ``source``."""
     if isinstance(param, caffe_pb2.SolverParameter):
         p = caffe_pb2.SolverParameter()
         p.CopyFrom(param)
@@ -99,10 +100,15 @@ def get_solver(param, **kwargs):
             proto_io.upgrade_solver_param(p, kwargs.get("source") or "<SolverParameter>")
         except ProtoError as e:
             raise CaffeError(str(e)) from None
-    else:
-        kwargs["source"] = os.fspath(param)
-        p = read_solver(param)
-    cls = SOLVER_TYPES.get(p.type)
+        return p, kwargs
+    return read_solver(param), dict(kwargs, source=os.fspath(param))
+
+
+def get_solver(param, types=SOLVER_TYPES, **kwargs):
+    """The solver of the parameter's type (its class from ``types``), from a
+    path or a SolverParameter."""
+    p, kwargs = solver_param(param, kwargs)
+    cls = types.get(p.type)
     if cls is None:
-        raise CaffeError("unknown solver type '%s' (known: %s)" % (p.type, ", ".join(SOLVER_TYPES)))
+        raise CaffeError("unknown solver type '%s' (known: %s)" % (p.type, ", ".join(types)))
     return cls(p, **kwargs)

@@ -12,14 +12,15 @@ import numpy as np
 from google.protobuf import text_format
 
 from .. import common
-from ..backend import default_array_module, to_numpy
+from ..backend import default_array_module, threads, to_numpy
 from ..common import AgreedError, CaffeError, SolverAction, TEST, TRAIN, log
 from ..io import proto_io
 from ..io.atomic import atomic_path
 from ..io.proto_io import ProtoError
 from ..memory import TRAINING_DEFAULT, check_mode
 from ..net import Net
-from ..parallel.launch import default_gradient_sync
+from ..parallel.comm import SingleWorld
+from ..parallel.sync import BucketedAllreduce
 from ..proto import caffe_pb2
 from . import lr_policy
 
@@ -89,11 +90,11 @@ class Solver:
     Data parallelism (layers and solvers never call MPI) is ``sync``, a
     :class:`~caffempi.parallel.sync.GradientSync` that the loop drives (its
     docstring lists the calls), and its ``collectives`` for everything that
-    is not gradients.  Without one, the parallel package's default: one
-    process, or under an MPI launcher ``caffempi train``'s default strategy,
-    so that a pycaffe script's ``caffe.SGDSolver(path)`` run by
-    ``mpiexec -n N`` is data parallel as train is, not N copies of one
-    training.  Only rank 0 logs and writes snapshots (``is_root``).
+    is not gradients.  Without one, one process: the caller picks the
+    job's strategy (``caffempi train``: its flags; pycaffe's
+    ``caffe.SGDSolver(path)``: train's defaults under a launcher, see
+    caffempi.pycaffe), so building a solver starts no MPI.  Only rank 0
+    logs and writes snapshots (``is_root``).
     ``set_action_function(fn)`` installs the signal poller (Caffe's
     SetActionFunction).
     """
@@ -117,7 +118,7 @@ class Solver:
         self.param = param
         self.source = source
         self.xp = xp if xp is not None else default_array_module()
-        self.sync = sync if sync is not None else default_gradient_sync()
+        self.sync = sync if sync is not None else BucketedAllreduce(SingleWorld())
         self.collectives = self.sync.collectives
         self.action_function = None
         self.callbacks = []              # (on_start, on_gradients_ready) pairs: add_callback
@@ -555,7 +556,9 @@ class Solver:
             sync.start_iteration(net, iter_size)
             for i in range(iter_size):
                 sync.before_pass(net, i, i == iter_size - 1)
-                loss += net.forward_backward()
+                # the strategy's sums progress between backward's kernel chunks
+                with threads.progress(sync.progress):
+                    loss += net.forward_backward()
             loss /= iter_size
             # finish first: no allreduce is left pending if the ranks stop here
             sync.finish(net)

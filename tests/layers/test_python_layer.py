@@ -283,15 +283,24 @@ def test_python_loss_matches_native_euclidean_loss(pylayers, loss_weight):
 
 @pytest.mark.parametrize("kind", ["python", "pyloss"])
 def test_python_loss_under_data_parallel_gradient_scale(pylayers, kind):
-    """On N ranks the net seeds loss diffs with 1/N (gradient_scale) so the
-    allreduce sum is the mean; a pycaffe loss that ignores its top's diff
-    (BVLC's pyloss.py) still gives native EuclideanLoss's scaled gradients."""
+    """On N ranks the reducer multiplies the summed gradients by 1/N after
+    backward, so a pycaffe loss that ignores its top's diff (BVLC's
+    pyloss.py) still gives native EuclideanLoss's averaged gradients."""
+    from caffempi.parallel.comm import SingleWorld
+    from caffempi.parallel.sync import BucketedAllreduce
+    from caffempi.parallel.transports.base import LocalTransport
+
+    class FourRanks(SingleWorld):
+        size = 4          # the reducer's mean is 1/4 of the (here local) sum
+
     grads = []
     for k in (kind, "native"):
         set_random_seed(7)
         net = Net(regression_net(k, 1), TRAIN, dtype=np.float64)
-        net.gradient_scale = 0.25
+        sync = BucketedAllreduce(FourRanks(), transport=LocalTransport())
+        sync.start_iteration(net, 1)
         net.forward_backward()
+        sync.finish(net)
         grads.append(net.param_diff.copy())
     np.testing.assert_allclose(grads[0], grads[1], rtol=1e-6)
     set_random_seed(7)

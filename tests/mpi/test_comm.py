@@ -106,7 +106,7 @@ def test_ranks_on_a_host_share_its_cores():
     this host runs cores/2 kernel threads (at least 1), not one per core; a
     count given in the environment is kept (needs 2 cores to tell apart)."""
     import os
-    code = ("import sys, os; from caffempi.parallel.launch import setup_parallel; "
+    code = ("import sys, os; from caffempi.parallel.rank import setup_parallel; "
             "from caffempi.backend import threads; setup_parallel(); "
             "assert threads.thread_count() == int(sys.argv[1]), (threads.thread_count(), sys.argv[1])")
     cores = len(os.sched_getaffinity(0))
@@ -229,7 +229,7 @@ def test_factor_cost_model_picks_factors_for_wide_layers_on_slow_links():
 
 def test_layers_that_cannot_use_factors_say_why():
     from caffempi.common import captured_log
-    from caffempi.parallel.sfb import SufficientFactorBroadcast
+    from caffempi.parallel.sfb import SufficientFactors
     from caffempi.proto import caffe_pb2
     from google.protobuf import text_format
     sys.path.insert(0, str(WORKERS))
@@ -242,13 +242,13 @@ def test_layers_that_cannot_use_factors_say_why():
                             'layer { name: "loss"')
     from caffempi.net import Net
     net = Net(text_format.Merge(shared, caffe_pb2.NetParameter()))
-    sfb = SufficientFactorBroadcast(SingleWorld(), mode="on")
+    sfb = SufficientFactors(mode="on")
     with captured_log() as msgs:
-        names = [net.layer_names[i] for i, _, _, _ in sfb._eligible(net, 1)]
+        names = [net.layer_names[i] for i, _, _, _ in sfb.eligible(SingleWorld(), net, 1)]
     assert names == ["ip1", "ip2"]
     assert any("layer 'ip3' keeps the allreduce (its weight is shared with another layer)" in m for m in msgs)
     with captured_log() as msgs:
-        assert sfb._eligible(net, 2) == []
+        assert sfb.eligible(SingleWorld(), net, 2) == []
     assert any("layer 'ip1' keeps the allreduce (iter_size 2: the factors" in m for m in msgs), msgs
 
 
@@ -265,3 +265,10 @@ def test_float16_factors_keep_precision_at_gradient_magnitudes(n):
 def test_float16_sums(n, mode):
     p = mpirun(n, [WORKERS / "fp16_worker.py", mode])
     assert "FP16 OK" in p.stdout
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_float16_sums_agree_over_every_comm_mode(n):
+    p = mpirun(n, [WORKERS / "fp16_modes_worker.py"])
+    assert "FP16 MODES OK" in p.stdout

@@ -24,29 +24,46 @@ nccl       refused                              nccl.NCCLTransport (refused when
                                                 cannot join the ranks)
 =========  ===================================  ======================================
 
-``--comm_dtype=fp16`` (CPU nets) takes :class:`~caffempi.parallel.transports.compressed.Float16Transport`:
-buckets cross as float16, summed in float32, on a communication thread
-where ``--comm`` (thread, or auto across hosts) would take one for float32,
-else polled as ``overlap``.
+``--comm_dtype=fp16`` (CPU nets) sends buckets through a compressor
+(:mod:`~caffempi.parallel.compression`) to a transport that adds the pieces
+itself: shm (when asked for) adds them in shared memory;
+blocking, overlap, nopoll, async and thread take
+:class:`~caffempi.parallel.transports.exchange.ExchangeTransport`
+(polled, blocking, or on a communication thread as for float32; auto: as
+``thread`` where a communication thread fits, else polled); hierarchical
+and nccl are refused (MPI's and NCCL's reductions cannot add float16 in
+float32).
 One rank needs no transport: :class:`~caffempi.parallel.transports.base.LocalTransport`.
 A new transport subclasses ``Transport`` and gets a row here.
 """
 import numpy as np
 
 from ...common import CaffeError, log
+from ..compression import COMPRESSORS
 from .base import LocalTransport, Transport  # noqa: F401  (the interface)
 from .mpi import HOST_TRANSPORTS
-from .compressed import Float16Transport
+from .exchange import ExchangeTransport
 from .hierarchical import HierarchicalTransport
 from .shm import make_shm_transport
 
 COMM_MODES = ("auto", "shm", "hierarchical", "overlap", "blocking", "thread", "async", "nopoll", "nccl")
-COMM_DTYPES = ("fp32", "fp16")
+COMM_DTYPES = ("fp32",) + tuple(COMPRESSORS)
 
 
 def check_comm_mode(mode):
     if mode not in COMM_MODES:
         raise CaffeError("unknown --comm '%s' (one of %s)" % (mode, ", ".join(COMM_MODES)))
+
+
+def check_comm_dtype(dtype):
+    if dtype not in COMM_DTYPES:
+        raise CaffeError("unknown --comm_dtype '%s' (one of %s)" % (dtype, ", ".join(COMM_DTYPES)))
+
+
+def make_compressor(dtype):
+    """The compressor of ``--comm_dtype`` (None for fp32)."""
+    check_comm_dtype(dtype)
+    return COMPRESSORS[dtype]() if dtype in COMPRESSORS else None
 
 
 def make_transport(world, mode="overlap", xp=np, nbytes=0, dtype="fp32"):
@@ -55,19 +72,11 @@ def make_transport(world, mode="overlap", xp=np, nbytes=0, dtype="fp32"):
     (``--comm_dtype``; collective: every rank must call it, with the same
     arguments)."""
     check_comm_mode(mode)
-    if dtype not in COMM_DTYPES:
-        raise CaffeError("unknown --comm_dtype '%s' (fp32 or fp16)" % dtype)
+    compressor = make_compressor(dtype)
     if world.size == 1:
         return LocalTransport()
-    if dtype == "fp16":
-        if xp is not np:
-            raise CaffeError("--comm_dtype=fp16 needs CPU nets")
-        threaded = mode == "thread"
-        if mode == "auto":
-            host, one_host, crowded = _host_layout(world)
-            host.Free()
-            threaded = _comm_thread_fits(world, one_host, crowded)
-        return Float16Transport(world, comm_thread=threaded)
+    if compressor is not None:
+        return _compressed(world, mode, xp, nbytes, compressor)
     if xp is np:
         if mode == "nccl":
             raise CaffeError("--comm=nccl needs GPU nets (--gpu)")
@@ -88,6 +97,35 @@ def make_transport(world, mode="overlap", xp=np, nbytes=0, dtype="fp32"):
             log.warning("NCCL not used (%s): gradients go through host memory and MPI", reason)
         mode = "overlap"
     return staged.StagedTransport(HOST_TRANSPORTS[mode](world))
+
+
+def _compressed(world, mode, xp, nbytes, compressor):
+    """The transport of ``mode`` that adds ``compressor``'s pieces
+    (collective), or a CaffeError saying why ``mode`` cannot."""
+    flag = "--comm_dtype=%s" % compressor.name
+    if xp is not np:
+        raise CaffeError("%s needs CPU nets" % flag)
+    if mode in ("hierarchical", "nccl"):
+        raise CaffeError("%s cannot go with --comm=%s: its reductions are %s's, which cannot add %s pieces "
+                         "in float32 (use --comm=overlap or thread across hosts, shm on one)"
+                         % (flag, mode, "MPI" if mode == "hierarchical" else "NCCL", compressor.name))
+    if mode == "shm":
+        host, one_host, _ = _host_layout(world)
+        if one_host:
+            transport = make_shm_transport(world, host, nbytes, asked=True, compressor=compressor)
+            if transport is not None:
+                return transport
+        else:
+            host.Free()
+            if world.rank == 0:
+                log.warning("--comm=shm: the ranks are on more than one host; using --comm=overlap")
+        mode = "overlap"
+    threaded = mode == "thread"
+    if mode == "auto":
+        host, one_host, crowded = _host_layout(world)
+        host.Free()
+        threaded = _comm_thread_fits(world, one_host, crowded)
+    return ExchangeTransport(world, compressor, comm_thread=threaded, blocking=mode == "blocking")
 
 
 def _host_layout(world):

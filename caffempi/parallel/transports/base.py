@@ -1,9 +1,9 @@
 """The transport interface: how a gradient strategy sums buffers over ranks.
 
-A :class:`~caffempi.parallel.sync.BucketedAllreduce` hands the transport
-contiguous slices of the net's flat gradient buffer as backward finishes
-them; the transport sums each over the ranks, in place.  Everything a
-caller may use is declared here, once.
+A :class:`~caffempi.parallel.sync.Reducer` hands the transport contiguous
+slices of the net's flat gradient buffer as backward finishes them; the
+transport sums each over the ranks, in place, times a scale (the reducer's
+1/N: the mean).  Everything a caller may use is declared here, once.
 """
 import os
 import time
@@ -21,7 +21,10 @@ class Transport(ABC):
     collective).  One iteration is: ``allreduce_start`` for each bucket as
     backward produces it (``poll`` between layers), ``backward_end`` once
     backward has run, then ``wait`` on every handle, in start order.  After
-    ``wait(h)`` the buffer of ``h`` holds the sum over ranks.
+    ``wait(h)`` the buffer of ``h`` holds the sum over ranks times the
+    scale it was started with.  The transport never installs anything
+    process-wide: the caller calls :meth:`poll` (between layers, and
+    between a kernel's chunks through ``threads.progress``).
     """
 
     #: shown in the log line that says how gradients are averaged
@@ -33,8 +36,11 @@ class Transport(ABC):
     overlaps_backward = True
 
     @abstractmethod
-    def allreduce_start(self, buf):
-        """Start summing ``buf`` (contiguous) over the ranks; returns a handle."""
+    def allreduce_start(self, buf, scale=1.0):
+        """Start summing ``buf`` (contiguous) over the ranks, the sum to be
+        multiplied by ``scale``; returns a handle.  The scale is folded into
+        a copy the transport makes anyway where it makes one, else applied
+        in one pass once the sum is in (Caffe's NCCL scales after the sum)."""
 
     def poll(self):
         """Let pending sums progress; True when none is pending."""
@@ -52,9 +58,9 @@ class Transport(ABC):
         transport can tell (for the watchdog's message), else None."""
         return None
 
-    def allreduce(self, buf):
+    def allreduce(self, buf, scale=1.0):
         """Sum ``buf`` over the ranks now (start, end, wait)."""
-        handle = self.allreduce_start(buf)
+        handle = self.allreduce_start(buf, scale)
         self.backward_end()
         self.wait(handle)
 
@@ -67,8 +73,14 @@ class LocalTransport(Transport):
     name = "local"
     device_buffers = True
 
-    def allreduce_start(self, buf):
-        return None
+    def allreduce_start(self, buf, scale=1.0):
+        scale_in_place(buf, scale)
 
     def wait(self, handle):
         pass
+
+
+def scale_in_place(buf, scale):
+    """``buf *= scale`` (in buf's type), skipped for a scale of 1."""
+    if scale != 1.0:
+        buf *= buf.dtype.type(scale)

@@ -1,5 +1,5 @@
 """Sums made of several non-blocking MPI steps a bucket, chained without
-blocking (the base of the hierarchical and float16 transports).
+blocking (the base of the hierarchical and exchange transports).
 
 Every rank issues the steps of its buckets in bucket order (a bucket issues
 a step only once every earlier bucket has issued it) and each step runs on a
@@ -7,8 +7,8 @@ communicator of its own, so the collectives on each communicator come in the
 same order on every rank, as MPI requires (on one communicator, one rank
 could issue bucket 0's second step before bucket 1's first, another the
 other way round).
-Progress as in ``overlap``: :meth:`poll` runs between layers and, on the
-CPU, between the chunks of a layer's kernels; or, with ``comm_thread``,
+Progress as in ``overlap``: the caller's :meth:`poll` runs between layers
+and, on the CPU, between the chunks of a layer's kernels; or, with ``comm_thread``,
 a communication thread (:class:`~caffempi.parallel.transports.mpi.CommThread`)
 polls them, so that the buckets' steps overlap as when polled (run
 blocking, bucket after bucket, the link would idle during each bucket's
@@ -17,16 +17,16 @@ conversions: docs/design/parallel.md).
 import threading
 from abc import abstractmethod
 
-from ...backend import threads
-from .base import Transport, yield_core
+from .base import Transport, scale_in_place, yield_core
 from .mpi import CommThread
 
 
 class Chain:
-    """One bucket's sum: ``step`` counts the steps completed."""
+    """One bucket's sum, to be multiplied by ``scale``: ``step`` counts the
+    steps completed."""
 
-    def __init__(self, buf):
-        self.buf, self.step, self.request = buf, 0, None
+    def __init__(self, buf, scale=1.0):
+        self.buf, self.scale, self.step, self.request = buf, scale, 0, None
         self.done = threading.Event()
 
 
@@ -40,25 +40,26 @@ class ChainedTransport(Transport):
         self._chains = []                 # started and not complete, in start order
         self.comm_thread = CommThread(world, "--comm=thread", self._progress) if comm_thread else None
 
-    def allreduce_start(self, buf):
-        chain = self.make_chain(buf)
+    def allreduce_start(self, buf, scale=1.0):
+        chain = self.make_chain(buf, scale)
         if self.comm_thread is not None:
             self.comm_thread.submit(lambda: self._chains.append(chain))   # only that thread polls
             return chain
         self._chains.append(chain)
         self._progress()
-        threads.set_progress(self._progress)
         return chain
 
-    def make_chain(self, buf):
-        return Chain(buf)
+    def make_chain(self, buf, scale):
+        return Chain(buf, scale)
 
     @abstractmethod
     def issue(self, chain):
         """Start step ``chain.step`` of ``chain``; returns its MPI request."""
 
     def complete(self, chain):
-        """All steps of ``chain`` are done (the first unfinished chain)."""
+        """All steps of ``chain`` are done (the first unfinished chain):
+        the sum is in its buffer, to be scaled."""
+        scale_in_place(chain.buf, chain.scale)
 
     def poll(self):
         # with a communication thread, only that thread touches the chains
@@ -84,9 +85,6 @@ class ChainedTransport(Transport):
             chain.done.set()
         return not self._chains
 
-    def backward_end(self):
-        threads.set_progress(None)
-
     def wait(self, handle):
         if self.comm_thread is not None:
             return self.comm_thread.wait(handle.done)
@@ -96,6 +94,5 @@ class ChainedTransport(Transport):
                 yield_core()
 
     def close(self):
-        self.backward_end()
         if self.comm_thread is not None:
             self.comm_thread.close()

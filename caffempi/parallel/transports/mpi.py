@@ -8,9 +8,9 @@ then run while buckets are in flight, from another thread too.
 import queue
 import threading
 
-from ...backend import denormals, threads
+from ...backend import denormals
 from ...common import CaffeError
-from .base import Transport, yield_core
+from .base import Transport, scale_in_place, yield_core
 
 
 class MPITransport(Transport):
@@ -40,8 +40,9 @@ class BlockingTransport(MPITransport):
     mode = "blocking"
     overlaps_backward = False
 
-    def allreduce_start(self, buf):
+    def allreduce_start(self, buf, scale=1.0):
         self._allreduce_now(buf)
+        scale_in_place(buf, scale)
 
     def wait(self, handle):
         pass
@@ -52,56 +53,50 @@ class IallreduceTransport(MPITransport):
     until ``wait`` (shows what the MPI does on its own)."""
     mode = "nopoll"
 
-    def allreduce_start(self, buf):
-        return self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM)
+    def allreduce_start(self, buf, scale=1.0):
+        """The handle: (request, buf, scale)."""
+        return self.comm.Iallreduce(self.MPI.IN_PLACE, buf, op=self.MPI.SUM), buf, scale
 
     def wait(self, handle):
+        request, buf, scale = handle
         # yielding between tests: see base.yield_core
-        while not handle.Test():
+        while not request.Test():
             yield_core()
+        scale_in_place(buf, scale)
 
 
 class AsyncProgressTransport(IallreduceTransport):
     """``--comm=async``: as nopoll, with MPICH's own progress thread moving
-    the sums (MPIR_CVAR_ASYNC_PROGRESS=1, which launch.init_process sets
+    the sums (MPIR_CVAR_ASYNC_PROGRESS=1, which rank.init_process sets
     before MPI starts)."""
     mode = "async"
 
 
 class OverlapTransport(IallreduceTransport):
-    """``--comm=overlap``: Iallreduce per bucket, MPI_Testall after every
-    layer's backward and, on the CPU, between the chunks of a layer's
-    kernels (threads.set_progress), since MPICH progresses a pending sum
-    only inside MPI calls."""
+    """``--comm=overlap``: Iallreduce per bucket, tested (MPI_Testall) at
+    every :meth:`poll`: the reducer polls after every layer's backward and,
+    on the CPU, between the chunks of a layer's kernels, since MPICH
+    progresses a pending sum only inside MPI calls."""
     mode = "overlap"
 
     def __init__(self, world):
         super().__init__(world)
         self._pending = []
 
-    def allreduce_start(self, buf):
-        req = super().allreduce_start(buf)
-        self._pending.append(req)
+    def allreduce_start(self, buf, scale=1.0):
+        handle = super().allreduce_start(buf, scale)
+        self._pending.append(handle[0])
         self.MPI.Request.Testall(self._pending)
-        # a long layer would otherwise leave the sum idle until its end
-        threads.set_progress(self.poll)
-        return req
+        return handle
 
     def poll(self):
         if self._pending and self.MPI.Request.Testall(self._pending):
             self._pending = []
         return not self._pending
 
-    def backward_end(self):
-        threads.set_progress(None)
-
     def wait(self, handle):
         super().wait(handle)
         self._pending = [r for r in self._pending if r != self.MPI.REQUEST_NULL]
-
-    def close(self):
-        self.backward_end()
-        super().close()
 
 
 class CommThread:
@@ -176,8 +171,11 @@ class ThreadTransport(MPITransport):
         self._thread = CommThread(world, "--comm=thread")
         super().__init__(world)
 
-    def allreduce_start(self, buf):
-        return self._thread.submit(lambda: self._allreduce_now(buf))
+    def allreduce_start(self, buf, scale=1.0):
+        def job():
+            self._allreduce_now(buf)
+            scale_in_place(buf, scale)
+        return self._thread.submit(job)
 
     def wait(self, handle):
         self._thread.wait(handle)

@@ -1,12 +1,12 @@
 """``--comm=nccl`` (and ``auto`` for GPU nets that NCCL can join): each
 bucket summed by NCCL on a side stream, ordered after the compute stream's
 writes by an event; ``wait`` makes the compute stream wait for the bucket's
-event, so the host never blocks.  Imported only for CuPy buffers.
+event and queues the scale there, so the host never blocks.  Imported only for CuPy buffers.
 """
 import cupy as cp
 
 from ...common import CaffeError
-from .base import Transport
+from .base import Transport, scale_in_place
 
 
 def nccl_loaded():
@@ -53,7 +53,7 @@ class NCCLTransport(Transport):
         self.comm = nccl.NcclCommunicator(world.size, uid, world.rank)
         self.stream = cp.cuda.Stream(non_blocking=True)
 
-    def allreduce_start(self, buf):
+    def allreduce_start(self, buf, scale=1.0):
         ready = cp.cuda.Event(disable_timing=True)
         ready.record()                       # the bucket's last gradient is queued
         self.stream.wait_event(ready)
@@ -61,10 +61,12 @@ class NCCLTransport(Transport):
                             self.nccl.NCCL_SUM, self.stream.ptr)
         done = cp.cuda.Event(disable_timing=True)
         done.record(self.stream)
-        return done
+        return done, buf, scale
 
     def wait(self, handle):
-        cp.cuda.get_current_stream().wait_event(handle)
+        done, buf, scale = handle
+        cp.cuda.get_current_stream().wait_event(done)
+        scale_in_place(buf, scale)
 
     def close(self):
         if self.comm is not None:

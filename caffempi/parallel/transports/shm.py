@@ -15,6 +15,13 @@ finish backward together, so the first one done has time to spare: it sums.
   ranks may sum the same chunk at once, harmlessly) and flags them.  When
   all of the bucket's chunks are done, it copies the result out.
 
+With a compressor (``--comm_dtype=fp16``), each rank also writes its
+bucket's largest magnitude beside its ready flag; the summing rank takes
+the scale from the largest of all (as the exchange transport's MAX does),
+compresses each rank's chunk with it, adds the pieces with the compressor
+(rank order) into the result area in wire form, and every rank
+decompresses its copy: the same bits as ``transports.exchange``'s sums.
+
 A round is one iteration's buckets; a segment and the result area are
 written again only once every rank has flagged that it copied the last
 round out.  Memory ordering: ``Win.Sync`` (MPI_Win_sync, a memory barrier)
@@ -35,7 +42,7 @@ MAX_BUCKETS = 4096             # buckets in one iteration (flags reserved for)
 SHM_DIR = "/dev/shm"           # where MPICH keeps the window's memory (a tmpfs)
 
 
-def make_shm_transport(world, host, capacity_bytes, asked):
+def make_shm_transport(world, host, capacity_bytes, asked, compressor=None):
     """The shm transport over ``host`` (the ranks of this host, all of the
     world's; the transport takes it over) when its shared memory has room
     for the window, else None, ``host`` freed (the caller uses MPI).
@@ -53,7 +60,7 @@ def make_shm_transport(world, host, capacity_bytes, asked):
         asked = True            # worth saying even when nobody asked for shm
     else:
         try:
-            return SharedMemoryTransport(world, host, capacity_bytes)
+            return SharedMemoryTransport(world, host, capacity_bytes, compressor)
         except MPI.Exception as e:
             reason = "no shared window of %.1f MB (%s)" % (need / 2 ** 20, e.Get_error_string())
     host.Free()
@@ -73,28 +80,32 @@ def free_bytes(path):
 
 def _layout(capacity_bytes, rank):
     """(capacity, flag bytes, done flags, bytes of rank's segment): every
-    rank holds [data: capacity][ready flags: MAX_BUCKETS][copied flag], rank
-    0 also [result: capacity][done flags]."""
+    rank holds [data: capacity][ready flags: MAX_BUCKETS][copied flag]
+    [largest magnitudes: MAX_BUCKETS], rank 0 also [result: capacity][done
+    flags]."""
     capacity = max(8, -(-int(capacity_bytes) // 8) * 8)
-    flags = 8 * (MAX_BUCKETS + 1)
+    flags = 8 * (2 * MAX_BUCKETS + 1)
     max_chunks = capacity // CHUNK_BYTES + MAX_BUCKETS
     return capacity, flags, max_chunks, capacity + flags + (capacity + 8 * max_chunks if rank == 0 else 0)
 
 
 class _Bucket:
-    __slots__ = ("buf", "off", "chunk0", "chunks", "slot", "copied")
+    __slots__ = ("buf", "scale", "off", "chunk0", "chunks", "slot", "copied")
 
-    def __init__(self, buf, off, chunk0, chunks, slot):
-        self.buf, self.off, self.chunk0, self.chunks, self.slot = buf, off, chunk0, chunks, slot
+    def __init__(self, buf, scale, off, chunk0, chunks, slot):
+        self.buf, self.scale, self.off, self.chunk0, self.chunks, self.slot = buf, scale, off, chunk0, chunks, slot
         self.copied = False
 
 
 class SharedMemoryTransport(Transport):
     name = "shm"
 
-    def __init__(self, world, host, capacity_bytes):
+    def __init__(self, world, host, capacity_bytes, compressor=None):
         MPI = self.MPI = world.MPI
         self.host = host
+        self.compressor = compressor
+        if compressor is not None:
+            self.name = "%s-shm" % compressor.name
         self.rank, self.size = host.rank, host.size
         self.capacity, flags, max_chunks, own = _layout(capacity_bytes, self.rank)
         self.win = MPI.Win.Allocate_shared(own, 8, comm=host)
@@ -104,6 +115,8 @@ class SharedMemoryTransport(Transport):
             self.data = [np.frombuffer(s, np.uint8, self.capacity) for s in seg]
             self.ready = [np.frombuffer(s, np.int64, MAX_BUCKETS, self.capacity) for s in seg]
             self.copied_round = [np.frombuffer(s, np.int64, 1, self.capacity + 8 * MAX_BUCKETS) for s in seg]
+            self.largest = [np.frombuffer(s, np.float64, MAX_BUCKETS, self.capacity + 8 * (MAX_BUCKETS + 1))
+                            for s in seg]
             base = self.capacity + flags
             self.result = np.frombuffer(seg[0], np.uint8, self.capacity, base)
             self.done = np.frombuffer(seg[0], np.int64, max_chunks, base + self.capacity)
@@ -124,7 +137,7 @@ class SharedMemoryTransport(Transport):
         self._closing = False
 
     # -- the interface
-    def allreduce_start(self, buf):
+    def allreduce_start(self, buf, scale=1.0):
         if not buf.flags.c_contiguous:
             raise CaffeError("--comm=shm sums contiguous buffers only")
         if not self._buckets:
@@ -138,9 +151,11 @@ class SharedMemoryTransport(Transport):
             raise CaffeError("--comm=shm: %d bytes of gradients in one iteration, %d allocated"
                              % (self._used, self.capacity))
         chunks = max(1, -(-nbytes // CHUNK_BYTES))
-        b = _Bucket(buf, off, self._chunks_used, chunks, len(self._buckets))
+        b = _Bucket(buf, scale, off, self._chunks_used, chunks, len(self._buckets))
         self._chunks_used += chunks
         self._view(self.data[self.rank], b)[...] = buf.reshape(-1)
+        if self.compressor is not None:
+            self.largest[self.rank][b.slot] = np.float32(self.compressor.largest(buf))
         self.win.Sync()
         self.ready[self.rank][b.slot] = self.round
         self._buckets.append(b)
@@ -151,9 +166,16 @@ class SharedMemoryTransport(Transport):
             while not all(r[b.slot] == self.round for r in self.ready):
                 yield_core()
             self.win.Sync()
-            self._sum(b)
+            wire_scale = self._sum(b)
             self.win.Sync()
-            b.buf.reshape(-1)[...] = self._view(self.result, b)
+            out = b.buf.reshape(-1)
+            if self.compressor is not None:
+                self.compressor.decompress(self._view(self.result, b, self.compressor.wire_dtype),
+                                           b.scale / wire_scale, out)
+            elif b.scale != 1.0:
+                np.multiply(self._view(self.result, b), out.dtype.type(b.scale), out=out)
+            else:
+                out[...] = self._view(self.result, b)
             b.copied = True
             self._copied += 1
         if self._closing and self._copied == len(self._buckets):
@@ -181,18 +203,22 @@ class SharedMemoryTransport(Transport):
         self.win = None
 
     # -- the work
-    def _view(self, area, b):
-        n = b.buf.size
-        return np.frombuffer(area, b.buf.dtype, n, b.off)
+    def _view(self, area, b, dtype=None):
+        return np.frombuffer(area, dtype or b.buf.dtype, b.buf.size, b.off)
 
     def _sum(self, b):
         """Sum the chunks of b that no rank has flagged done, starting at this
-        rank's share so that ranks summing at once rarely meet."""
+        rank's share so that ranks summing at once rarely meet; returns the
+        compressor's scale (1 without one)."""
         item = b.buf.dtype.itemsize
         per = CHUNK_BYTES // item
         n = b.buf.size
         segs = [self._view(d, b) for d in self.data]
-        out = self._view(self.result, b)
+        add, wire_scale = self._add, 1.0
+        if self.compressor is not None:
+            wire_scale = self.compressor.agreed_scale(max(float(g[b.slot]) for g in self.largest), self.size)
+            add = self._compressed_adder(wire_scale, per)
+        out = self._view(self.result, b, None if self.compressor is None else self.compressor.wire_dtype)
         first = b.chunks * self.rank // self.size
         for j in range(b.chunks):
             c = (first + j) % b.chunks
@@ -200,17 +226,38 @@ class SharedMemoryTransport(Transport):
             if self.done[flag] == self.round:
                 continue
             lo, hi = c * per, min(n, (c + 1) * per)
-            if self.size == 2:
-                np.add(segs[0][lo:hi], segs[1][lo:hi], out=out[lo:hi])
-            else:
-                # partial sums stay private: another rank may be writing
-                # this chunk's final values at the same time
-                acc = np.add(segs[0][lo:hi], segs[1][lo:hi])
-                for s in segs[2:]:
-                    acc += s[lo:hi]
-                out[lo:hi] = acc
+            add([s[lo:hi] for s in segs], out[lo:hi])
             self.win.Sync()
             self.done[flag] = self.round
+        return wire_scale
+
+    @staticmethod
+    def _add(pieces, out):
+        """out := the pieces added in rank order."""
+        if len(pieces) == 2:
+            np.add(pieces[0], pieces[1], out=out)
+        else:
+            # partial sums stay private: another rank may be writing
+            # this chunk's final values at the same time
+            acc = np.add(pieces[0], pieces[1])
+            for piece in pieces[2:]:
+                acc += piece
+            out[...] = acc
+
+    def _compressed_adder(self, wire_scale, per):
+        """An ``_add`` for the compressor: each rank's piece compressed with
+        ``wire_scale``, the pieces added by the compressor into ``out``."""
+        stack = np.empty(self.size * per, self.compressor.wire_dtype)
+
+        def add(pieces, out):
+            rows = stack[:self.size * len(out)].reshape(self.size, len(out))
+            for row, piece in zip(rows, pieces):
+                self.compressor.compress(piece, wire_scale, row)
+            # partial sums stay private, as in _add
+            total = np.empty(len(out), out.dtype)
+            self.compressor.sum(rows, total)
+            out[...] = total
+        return add
 
     def _start_round(self):
         """Segments and the result area hold the last round until every rank

@@ -24,9 +24,9 @@ class StagedTransport(Transport):
         buf.get(out=h)      # waits for the gradients on the compute stream
         return h
 
-    def allreduce_start(self, buf):
+    def allreduce_start(self, buf, scale=1.0):
         h = self._to_host(buf)
-        return self.host.allreduce_start(h), h, buf
+        return self.host.allreduce_start(h, scale), h, buf
 
     def poll(self):
         return self.host.poll()

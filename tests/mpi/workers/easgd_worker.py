@@ -7,7 +7,7 @@ import numpy as np
 
 from caffempi.parallel.comm import get_world
 from caffempi.parallel.easgd import ElasticAverager
-from caffempi.parallel.launch import install_abort_handlers
+from caffempi.parallel.rank import install_abort_handlers
 
 
 def main(tau=3, alpha=0.2, steps=10):

@@ -14,7 +14,7 @@ from caffempi.common import set_random_seed  # noqa: E402
 from caffempi.net import Net  # noqa: E402
 from caffempi.parallel.comm import get_world  # noqa: E402
 from caffempi.parallel.collectives import Collectives
-from caffempi.parallel.launch import install_abort_handlers  # noqa: E402
+from caffempi.parallel.rank import install_abort_handlers  # noqa: E402
 from caffempi.parallel.sync import BucketedAllreduce  # noqa: E402
 
 

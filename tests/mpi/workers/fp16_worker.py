@@ -10,7 +10,7 @@ import sys
 import numpy as np
 
 from caffempi.parallel.comm import get_world
-from caffempi.parallel.launch import install_abort_handlers
+from caffempi.parallel.rank import install_abort_handlers
 from caffempi.parallel.transports import make_transport
 
 

@@ -17,8 +17,8 @@ from caffempi.backend.cpu import chunking
 from caffempi.net import Net
 from caffempi.parallel.comm import get_world
 from caffempi.parallel.collectives import Collectives
-from caffempi.parallel.launch import install_abort_handlers
-from caffempi.parallel.sfb import SufficientFactorBroadcast
+from caffempi.parallel.rank import install_abort_handlers
+from caffempi.parallel.sfb import SufficientFactors
 from caffempi.parallel.sync import BucketedAllreduce
 from caffempi.proto import caffe_pb2
 
@@ -42,10 +42,9 @@ def main(argv):
     text_format.Merge(NET, param)
     net = Net(param)
     Collectives(world).broadcast_arrays([net.param_data])
-    if sfb:
-        red = SufficientFactorBroadcast(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6, mode="on")
-    else:
-        red = BucketedAllreduce(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6)
+    plugin = SufficientFactors(mode="on")
+    red = BucketedAllreduce(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6,
+                            plugins=[plugin] if sfb else [])
     red.attach(net)
     transport = red.transport
     polls = {"conv": 0, "gathers": 0}
@@ -61,7 +60,7 @@ def main(argv):
         setattr(obj, name, count)
     counting(transport, "poll", "conv")
     if sfb:
-        counting(red, "_progress", "gathers")
+        counting(plugin, "progress", "gathers")
     conv = net.layers[net.layer_names.index("conv")]
     real_backward = conv.backward
 
@@ -86,9 +85,11 @@ def main(argv):
     red.start_iteration(net)
     if sfb and world.rank == 1:
         time.sleep(0.5)
-    net.forward_backward()
+    net.forward_range()
+    with threads.progress(red.progress):       # as the solver runs backward
+        net.backward_range()
     red.finish(net)
-    assert threads._progress_here() is None, "the poll stayed installed after finish"
+    assert threads.progress_here() is None, "the poll stayed installed after finish"
     # the ip bucket starts before the conv's backward, whose chunks poll it
     assert polls["conv"] >= 4, polls
     if sfb and world.rank == 0:

@@ -13,8 +13,9 @@ from nets import net_param, global_batch, shard  # noqa: E402
 from caffempi.common import set_random_seed  # noqa: E402
 from caffempi.net import Net  # noqa: E402
 from caffempi.parallel.comm import get_world  # noqa: E402
-from caffempi.parallel.launch import install_abort_handlers  # noqa: E402
-from caffempi.parallel.sfb import SufficientFactorBroadcast  # noqa: E402
+from caffempi.parallel.rank import install_abort_handlers  # noqa: E402
+from caffempi.parallel.sfb import SufficientFactors  # noqa: E402
+from caffempi.parallel.sync import BucketedAllreduce  # noqa: E402
 
 
 def gradient(world, comm_dtype, x, y):
@@ -22,8 +23,9 @@ def gradient(world, comm_dtype, x, y):
     param.layer[-2].loss_weight.append(1e-6)
     set_random_seed(3)
     net = Net(param, data_shard=(world.rank, world.size))
-    sync = SufficientFactorBroadcast(world, comm="overlap", bucket_mb=0.001, first_bucket_mb=0.001,
-                                     mode="on", comm_dtype=comm_dtype)
+    factors = SufficientFactors(mode="on")
+    sync = BucketedAllreduce(world, comm="overlap", bucket_mb=0.001, first_bucket_mb=0.001,
+                             comm_dtype=comm_dtype, plugins=[factors])
     sync.attach(net, 1)
     net.clear_param_diffs()
     sync.start_iteration(net)
@@ -31,7 +33,7 @@ def gradient(world, comm_dtype, x, y):
     net.blobs["label"].data[...] = y
     net.forward_backward()
     sync.finish(net)
-    layers = [net.layer_names[i] for i, _, _ in sync.factor_layers]
+    layers = [net.layer_names[i] for i, _, _ in factors.factor_layers]
     grads = {name: net.layer(name).blobs[0].diff.copy() for name in layers}
     sync.close()
     return grads

@@ -6,7 +6,7 @@ import numpy as np
 
 from caffempi.parallel.transports import make_transport, shm
 from caffempi.parallel.comm import get_world
-from caffempi.parallel.launch import init_rank_logging, install_abort_handlers
+from caffempi.parallel.rank import init_rank_logging, install_abort_handlers
 
 
 def main():

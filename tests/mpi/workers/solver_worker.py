@@ -24,7 +24,8 @@ try:
     import caffempi.layer_types.data  # noqa: E402,F401  (registers HDF5Data until layers/__init__ does)
 except ImportError:
     pass
-from caffempi.parallel.launch import exit_code, run_guarded, setup_parallel  # noqa: E402
+from caffempi.parallel.config import ParallelConfig  # noqa: E402
+from caffempi.parallel.rank import exit_code, run_guarded, setup_parallel  # noqa: E402
 
 SOLVER = """
 net_param { %(net)s }
@@ -65,11 +66,11 @@ layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: 
 def main():
     d, global_b, max_iter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kw = dict(a.split("=", 1) for a in sys.argv[4:])
-    world, sync = setup_parallel(comm=kw.get("comm", "overlap"), sync=kw.get("sync", "sgd"),
-                                    tau=int(kw.get("tau", 10)), alpha=float(kw.get("alpha", 0.2)),
-                                    bucket_mb=float(kw.get("bucket_mb", 0.001)),
-                                    comm_timeout=float(kw.get("comm_timeout", 600)), sfb=kw.get("sfb", "off"),
-                                    comm_dtype=kw.get("comm_dtype", "fp32"))
+    world, sync = setup_parallel(ParallelConfig(comm=kw.get("comm", "overlap"), sync=kw.get("sync", "sgd"),
+                                                tau=int(kw.get("tau", 10)), alpha=float(kw.get("alpha", 0.2)),
+                                                bucket_mb=float(kw.get("bucket_mb", 0.001)),
+                                                comm_timeout=float(kw.get("comm_timeout", 600)),
+                                                sfb=kw.get("sfb", "off"), comm_dtype=kw.get("comm_dtype", "fp32")))
 
     def run():
         from google.protobuf import text_format

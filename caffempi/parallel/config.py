@@ -1,0 +1,97 @@
+"""The data-parallel settings of a run: one frozen :class:`ParallelConfig`
+that defines the command-line flags (``--ranks``, ``--comm``, ``--sfb``
+...), validates them once when made, and builds the gradient strategy
+they describe.  The CLI makes it from its flags; a pycaffe script's solver
+under mpiexec takes the defaults (``ParallelConfig()``)."""
+from dataclasses import dataclass, fields
+from typing import ClassVar
+
+from ..common import CaffeError
+from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
+from .easgd import ElasticAveraging
+from .launch import check_ranks
+from .sfb import SFB_MODES, SufficientFactors
+from .sync import BucketedAllreduce
+from .transports import check_comm_dtype, check_comm_mode
+from .watchdog import DEFAULT_TIMEOUT
+
+SYNC_MODES = ("sgd", "easgd")
+
+
+@dataclass(frozen=True)
+class ParallelConfig:
+    """The data-parallel flags, with train's defaults; invalid values raise
+    a CaffeError naming the flag when the config is made."""
+    ranks: int = 0
+    comm: str = "auto"
+    bucket_mb: float = DEFAULT_BUCKET_MB
+    sync: str = "sgd"
+    tau: int = 10
+    alpha: float = 0.2
+    sfb: str = "auto"
+    link_gbps: float = 0.0
+    gemm_gflops: float = 0.0
+    comm_dtype: str = "fp32"
+    comm_timeout: float = DEFAULT_TIMEOUT
+
+    HELP: ClassVar[dict] = {
+        "ranks": "Optional; for 'train' without a launcher: run on this many ranks of this host, under the "
+                 "mpiexec beside this Python (else the one on PATH), with the same flags; 0: one rank per --gpu "
+                 "id (one without --gpu). Under mpiexec: must be the job's size.",
+        "comm": "Optional; gradient averaging: auto (CPU nets: shm when every rank is on one host, hierarchical "
+                "when the ranks span hosts and some host has several, else thread; GPU nets: nccl when NCCL can "
+                "join the ranks, else overlap), shm (ranks of one host sum in shared memory, whichever waits "
+                "doing the sums), hierarchical (sum on each host, then across hosts by one rank a host, then "
+                "share), overlap (MPI Iallreduce per bucket during backward, polled between layers), thread "
+                "(a communication thread), async (MPICH progress thread), nopoll, blocking (one allreduce "
+                "after backward), or nccl (GPU: NCCL per bucket on a side stream).",
+        "bucket_mb": "Optional; allreduce bucket size in MB (whole layers, reverse layer order; the first bucket "
+                     "is at most 1 MB).",
+        "sync": "Optional; sgd (average gradients every iteration) or easgd (elastic averaging every --tau "
+                "steps).",
+        "tau": "Optional; EASGD communication period in iterations.",
+        "alpha": "Optional; EASGD moving rate.",
+        "sfb": "Optional; sufficient-factor broadcast for InnerProduct weights (Poseidon): auto (a cost model "
+               "chooses per layer at start-up), on (every eligible layer) or off.",
+        "link_gbps": "Optional; the link bandwidth the --sfb cost model assumes, in Gbit/s (0: measured at "
+                     "start-up).",
+        "gemm_gflops": "Optional; the GEMM rate the --sfb cost model assumes, in GFLOP/s (0: measured at "
+                       "start-up).",
+        "comm_dtype": "Optional; fp16 sends gradient buckets and sufficient factors as float16, summed in "
+                      "float32 (half the bytes; CPU nets; with --comm shm, overlap, nopoll, async, thread or "
+                      "blocking), or fp32.",
+        "comm_timeout": "Optional; seconds a rank may wait in one collective (gradient bucket, agreement, "
+                        "broadcast) before it names what it waited for and ends the job; 0: wait forever.",
+    }
+
+    def __post_init__(self):
+        check_ranks(self.ranks)
+        check_comm_mode(self.comm)
+        check_comm_dtype(self.comm_dtype)
+        if self.sync not in SYNC_MODES:
+            raise CaffeError("unknown --sync '%s' (sgd or easgd)" % self.sync)
+        if self.sfb not in SFB_MODES:
+            raise CaffeError("unknown --sfb '%s' (auto, on or off)" % self.sfb)
+        if self.tau < 1:
+            raise CaffeError("--tau must be >= 1, got %d" % self.tau)
+
+    @classmethod
+    def define_flags(cls, define):
+        """Define the flags through a flag set's ``define(name, default, help)``."""
+        for f in fields(cls):
+            define(f.name, f.default, cls.HELP[f.name])
+
+    @classmethod
+    def from_flags(cls, flags):
+        """The config of parsed flags (an object with an attribute a flag)."""
+        return cls(**{f.name: getattr(flags, f.name) for f in fields(cls)})
+
+    def make_sync(self, world):
+        """The strategy for ``--sync`` (sgd: :class:`BucketedAllreduce` over
+        ``--comm``, with the sufficient-factor plug-in unless ``--sfb=off``;
+        easgd: :class:`ElasticAveraging`, which sends no gradients)."""
+        if self.sync == "easgd":
+            return ElasticAveraging(world, self.tau, self.alpha)
+        plugins = [] if self.sfb == "off" else [SufficientFactors(self.sfb, self.link_gbps, self.gemm_gflops)]
+        return BucketedAllreduce(world, self.comm, self.bucket_mb, min(self.bucket_mb, DEFAULT_FIRST_BUCKET_MB),
+                                 comm_dtype=self.comm_dtype, plugins=plugins)
