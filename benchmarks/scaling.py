@@ -76,44 +76,43 @@ class Lockstep(GradientSync):
         return 0.0
 
 
-def _world_and_net(args, comm):
-    """This rank's world (MPI initialised for ``comm``) and the net, with
-    rank 0's weights."""
-    from caffempi.common import TRAIN
-    from caffempi.net import Net
+def _start(args, comm):
+    """This rank's world (MPI initialised for ``comm``), as train starts it."""
     from caffempi.parallel.comm import get_world
-    from caffempi.parallel.collectives import Collectives
     from caffempi.memory import tune_allocator
-    from caffempi.parallel.launch import init_rank_logging, install_abort_handlers
+    from caffempi.parallel.rank import init_rank_logging, install_abort_handlers
 
     tune_allocator()                  # as train does: freed memory stays in the heap
     world = get_world(comm)
     init_rank_logging(world)          # rank 0's INFO lines: buckets, sufficient-factor choices
     install_abort_handlers(world)
-    net = Net(load_net_param(args.net), phase=TRAIN, data_shard=(world.rank, world.size))
-    Collectives(world).broadcast_arrays([net.param_data])
-    return world, net
+    return world
 
 
-def _update(net, lr):
-    """data -= lr * diff in place, as the solvers update: no temporary of
-    the gradient's size (CaffeNet's 244 MB), which before the allocator was
-    tuned here was a fresh mapping each step, 40-480 ms of page faults and
-    more in the 2-host job than in the pair."""
-    net.param_diff *= lr
-    net.param_data -= net.param_diff
+def _solver(args, sync):
+    """The real SGD solver over the benchmark's net (plain SGD: lr 0.001,
+    no momentum or decay; no display, tests or snapshots), driven one
+    ``step(1)`` at a time, with ``sync`` (every rank takes rank 0's weights
+    at the first step)."""
+    from caffempi.proto import caffe_pb2
+    from caffempi.solvers import SGDSolver
+    p = caffe_pb2.SolverParameter()
+    p.net_param.CopyFrom(load_net_param(args.net))
+    p.base_lr, p.lr_policy, p.max_iter = 0.001, "fixed", 1 << 30
+    p.display = p.snapshot = 0
+    p.snapshot_after_train = False
+    p.solver_mode = caffe_pb2.SolverParameter.CPU
+    return SGDSolver(p, sync=sync)
 
 
 def _averager(world, comm, args):
-    from caffempi.parallel.sfb import SufficientFactorBroadcast
+    from caffempi.parallel.sfb import SufficientFactors
     from caffempi.parallel.sync import BucketedAllreduce
     if comm == "barrier":
         return Lockstep(world)
-    if getattr(args, "sfb", "off") != "off":
-        return SufficientFactorBroadcast(world, comm, args.bucket_mb, args.first_bucket_mb, args.sfb,
-                                         comm_dtype=args.comm_dtype)
+    plugins = [SufficientFactors(args.sfb)] if getattr(args, "sfb", "off") != "off" else []
     return BucketedAllreduce(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
-                             comm_dtype=args.comm_dtype)
+                             comm_dtype=args.comm_dtype, plugins=plugins)
 
 
 def _tx_bytes():
@@ -125,44 +124,64 @@ def _tx_bytes():
         return None
 
 
+class StepClock:
+    """When the parts of a solver step happen, from the solver's callbacks
+    (start, gradients ready) and the net's hooks (backward's first layer,
+    each layer's end), added after the strategy's hook so that backward's
+    end includes the strategy's work there."""
+
+    def __init__(self, solver):
+        self.start = self.forward_end = self.ready = 0.0
+        self.marks = []            # (layer, seconds) after each layer's backward
+        net = solver.net
+        top = len(net.layers) - 1
+        solver.add_callback(self._on_start, self._on_ready)
+        net.before_backward(lambda i: self._forward_end() if i == top else None)
+        net.after_backward(lambda i: self.marks.append((i, time.perf_counter())))
+
+    def _on_start(self):
+        self.start = time.perf_counter()
+        del self.marks[:]
+
+    def _forward_end(self):
+        self.forward_end = time.perf_counter()
+
+    def _on_ready(self):
+        self.ready = time.perf_counter()
+
+    @property
+    def backward_end(self):
+        return self.marks[-1][1]
+
+
 def worker(args):
     """One trainer process (under mpiexec or alone); writes JSON to args.out."""
     import numpy as np
+    from caffempi.parallel.sfb import factor_shape
 
-    world, net = _world_and_net(args, "blocking" if args.comm == "barrier" else args.comm)
-    batch = net.blobs["data"].shape[0]
+    world = _start(args, "blocking" if args.comm == "barrier" else args.comm)
     red = _averager(world, args.comm, args)
+    solver = _solver(args, red)
+    net = solver.net
+    batch = net.blobs["data"].shape[0]
     red.attach(net)
-    # per-layer backward times (for the scaling model): hooks fire after each
-    # layer's backward, in descending layer order
-    marks = []
-    net.add_backward_hook(lambda i: marks.append((i, time.perf_counter())))
-    lr = np.float32(0.001)
+    clock = StepClock(solver)
     compute, exposed, layer_bw = [], [], np.zeros(len(net.layers))
     bw_end = []     # perf_counter at backward end (CLOCK_MONOTONIC: one clock per host)
     fwd_ms, bwd_ms = [], []
 
     def one(record):
-        net.clear_param_diffs()
-        red.start_iteration(net)
-        t0 = time.perf_counter()
-        net.forward_range()
-        t1 = time.perf_counter()
-        del marks[:]
-        net.backward_range()
-        t2 = time.perf_counter()
-        red.finish(net)
-        t3 = time.perf_counter()
-        _update(net, lr)
-        t4 = time.perf_counter()
+        solver.step(1)
+        done = time.perf_counter()
         if record:
-            compute.append((t2 - t0) + (t4 - t3))
-            bw_end.append(t2)
-            exposed.append(t3 - t2)
-            fwd_ms.append(t1 - t0)
-            bwd_ms.append(t2 - t1)
-            prev = t1
-            for i, t in marks:
+            c = clock
+            compute.append((c.backward_end - c.start) + (done - c.ready))
+            bw_end.append(c.backward_end)
+            exposed.append(c.ready - c.backward_end)
+            fwd_ms.append(c.forward_end - c.start)
+            bwd_ms.append(c.backward_end - c.forward_end)
+            prev = c.forward_end
+            for i, t in c.marks:
                 layer_bw[i] += t - prev
                 prev = t
 
@@ -220,7 +239,7 @@ def worker(args):
             t = time.perf_counter()
             world.allreduce_sum(buf)
             ar.append(time.perf_counter() - t)
-    factor_layers = {i for i, _, _ in getattr(red, "factor_layers", [])}
+    factor_layers = {i for plugin in getattr(red, "plugins", []) for i, _, _ in plugin.factor_layers}
     red.close()
     # exposed time = waiting for the slower rank to finish its backward
     # (skew) + communication left after the last rank's backward
@@ -249,7 +268,7 @@ def worker(args):
                        "params": int(sum(net.learnable_params[p].count for p, li in
                                          enumerate(net.param_layer_index) if li == i)),
                        # (M, N, K) of a layer with sufficient factors (the scaling model's SFB)
-                       "factors": net.layers[i].factor_shape(),
+                       "factors": factor_shape(net.layers[i]),
                        "factors_used": i in factor_layers}
                       for i, n in enumerate(net.layer_names)]}
     res_all = world.allgather(res) if world.size > 1 else [res]
@@ -267,20 +286,16 @@ def interleaved_worker(args):
     import numpy as np
 
     modes = args.comm.split(",")
-    world, net = _world_and_net(args, "overlap")
+    world = _start(args, "overlap")
     reducers = [_averager(world, m, args) for m in modes]
+    solver = _solver(args, reducers[0])
     times = {m: [] for m in modes}
     for i in range((args.iters + args.warmup) * len(modes)):
         mode, red = modes[i % len(modes)], reducers[i % len(modes)]
-        red.attach(net)
-        net.clear_param_diffs()
-        red.start_iteration(net)
+        solver.sync = red              # the step attaches it to the net
         world.barrier()
         t = time.perf_counter()
-        net.forward_range()
-        net.backward_range()
-        red.finish(net)
-        _update(net, np.float32(0.001))
+        solver.step(1)
         if i >= args.warmup * len(modes):
             times[mode].append(time.perf_counter() - t)
         red.detach()
@@ -316,8 +331,8 @@ def bench_env():
 
 
 def _mpiexec():
-    cand = Path(sys.executable).parent / "mpiexec"
-    return str(cand) if cand.exists() else "mpiexec"
+    from caffempi.parallel.launch import mpiexec_path
+    return mpiexec_path() or "mpiexec"
 
 
 def worker_args(a, net, comm, out, slot=None):
