@@ -58,8 +58,7 @@ class ParallelConfig:
         "gemm_gflops": "Optional; the GEMM rate the --sfb cost model assumes, in GFLOP/s (0: measured at "
                        "start-up).",
         "comm_dtype": "Optional; fp16 sends gradient buckets and sufficient factors as float16, summed in "
-                      "float32 (half the bytes; CPU nets; with --comm shm, overlap, nopoll, async, thread or "
-                      "blocking), or fp32.",
+                      "float32 (half the bytes; CPU nets; any --comm but nccl), or fp32.",
         "comm_timeout": "Optional; seconds a rank may wait in one collective (gradient bucket, agreement, "
                         "broadcast) before it names what it waited for and ends the job; 0: wait forever.",
     }

@@ -64,12 +64,12 @@ def test_two_hosts_over_tcp_train_as_one_process(cluster, data_dir, one_process,
 
 
 @pytest.mark.parametrize("ppn,dtype,transport", [(1, "fp32", "mpi-host-thread"), (2, "fp32", "hierarchical"),
-                                                 (1, "fp16", "fp16-thread")])
+                                                 (1, "fp16", "fp16-thread"), (2, "fp16", "fp16-hierarchical")])
 def test_comm_auto_across_hosts(cluster, data_dir, one_process, ppn, dtype, transport):
     """--comm=auto: with one rank a host a communication thread sums the
     buckets (float32, or float16 with --comm_dtype=fp16); with 2 hosts x 2
     ranks the sums are host-aware (on the host, across hosts by one rank
-    each, shared back).  The cores are oversubscribed there: this checks
+    each, float16 there with --comm_dtype=fp16, shared back).  The cores are oversubscribed there: this checks
     the result, not the speed."""
     out = data_dir / ("auto_%d_%s.npz" % (ppn, dtype))
     p = run(cluster, [W, data_dir, 12, 6, "out=%s" % out, "prefix=auto%d%s" % (ppn, dtype), "comm=auto",

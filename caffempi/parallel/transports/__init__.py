@@ -26,13 +26,14 @@ nccl       refused                              nccl.NCCLTransport (refused when
 
 ``--comm_dtype=fp16`` (CPU nets) sends buckets through a compressor
 (:mod:`~caffempi.parallel.compression`) to a transport that adds the pieces
-itself: shm (when asked for) adds them in shared memory;
-blocking, overlap, nopoll, async and thread take
-:class:`~caffempi.parallel.transports.exchange.ExchangeTransport`
-(polled, blocking, or on a communication thread as for float32; auto: as
-``thread`` where a communication thread fits, else polled); hierarchical
-and nccl are refused (MPI's and NCCL's reductions cannot add float16 in
-float32).
+itself: shm (when asked for) adds them in shared memory; hierarchical sums
+each host in float32 and compresses the sum across hosts; blocking,
+overlap, nopoll, async and thread take
+:class:`~caffempi.parallel.transports.exchange.ExchangeTransport` (polled,
+blocking, or on a communication thread as for float32); auto takes
+hierarchical where float32 would, else the exchange (threaded where a
+communication thread fits); nccl is refused (NCCL's reductions cannot add
+float16 pieces in float32).
 One rank needs no transport: :class:`~caffempi.parallel.transports.base.LocalTransport`.
 A new transport subclasses ``Transport`` and gets a row here.
 """
@@ -100,31 +101,29 @@ def make_transport(world, mode="overlap", xp=np, nbytes=0, dtype="fp32"):
 
 
 def _compressed(world, mode, xp, nbytes, compressor):
-    """The transport of ``mode`` that adds ``compressor``'s pieces
+    """The transport of ``mode`` whose sums add ``compressor``'s pieces
     (collective), or a CaffeError saying why ``mode`` cannot."""
     flag = "--comm_dtype=%s" % compressor.name
     if xp is not np:
         raise CaffeError("%s needs CPU nets" % flag)
-    if mode in ("hierarchical", "nccl"):
-        raise CaffeError("%s cannot go with --comm=%s: its reductions are %s's, which cannot add %s pieces "
-                         "in float32 (use --comm=overlap or thread across hosts, shm on one)"
-                         % (flag, mode, "MPI" if mode == "hierarchical" else "NCCL", compressor.name))
-    if mode == "shm":
-        host, one_host, _ = _host_layout(world)
-        if one_host:
+    if mode == "nccl":
+        raise CaffeError("%s cannot go with --comm=nccl: NCCL's reductions cannot add %s pieces in float32 "
+                         "(and it needs GPU nets)" % (flag, compressor.name))
+    threaded = mode == "thread"
+    if mode in ("auto", "shm", "hierarchical"):
+        host, one_host, crowded = _host_layout(world)
+        if mode == "hierarchical" or (mode == "auto" and crowded and not one_host):
+            return HierarchicalTransport(world, host, compressor)
+        if mode == "shm" and one_host:
             transport = make_shm_transport(world, host, nbytes, asked=True, compressor=compressor)
             if transport is not None:
                 return transport
         else:
             host.Free()
-            if world.rank == 0:
+            if mode == "shm" and world.rank == 0:
                 log.warning("--comm=shm: the ranks are on more than one host; using --comm=overlap")
-        mode = "overlap"
-    threaded = mode == "thread"
-    if mode == "auto":
-        host, one_host, crowded = _host_layout(world)
-        host.Free()
-        threaded = _comm_thread_fits(world, one_host, crowded)
+        # auto on one host: the polled exchange (shm would save no bytes)
+        threaded = mode == "auto" and _comm_thread_fits(world, one_host, crowded)
     return ExchangeTransport(world, compressor, comm_thread=threaded, blocking=mode == "blocking")
 
 
