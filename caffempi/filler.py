@@ -103,9 +103,9 @@ def refill(filler, shape, dtype=np.float32):
 
 def _box_muller(g, out):
     """``out`` (float32, 1-D) filled N(0, 1) by Box-Muller from float32
-    uniforms: CaffeNet's batch of 32 (4.9M values) in 37 ms at one thread,
-    against 62 ms by NumPy's float32 ziggurat (standard_normal) and 34 ms by
-    BVLC Caffe's boost draws.  24-bit uniforms end the tails at 5.8 sigma."""
+    uniforms, faster than NumPy's float32 ziggurat and as fast as BVLC
+    Caffe's draws (docs/design/cpu.md).  24-bit uniforms end the tails at
+    5.8 sigma."""
     half = -(-out.size // 2)
     u = g.random(2 * half, dtype=np.float32)
     radius, angle = u[:half], u[half:]

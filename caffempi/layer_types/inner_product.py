@@ -60,9 +60,9 @@ class InnerProductLayer(Layer):
         x = bottom[0].data.reshape(self.M, self.K)
         w = self._weight_nk()
         if self.num_output > self.M:
-            # OpenBLAS runs the product faster with the longer side as its
-            # rows (32x9216 by 9216x4096: 42 vs 61 ms; LeNet's ip1 0.63 vs
-            # 0.67 ms); the transpose back is fused with the bias add
+            # the longer side as the product's rows, which OpenBLAS runs
+            # faster (docs/design/cpu.md); the transpose back is fused with
+            # the bias add
             y = self.xp.empty((self.M, self.num_output), x.dtype)
             yt = kernels.matmul(self.xp, w, x.T).T
             if self.bias_term:

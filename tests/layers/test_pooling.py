@@ -168,9 +168,9 @@ def test_errors(text, shape, ntop):
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "numpy"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64])
 @pytest.mark.parametrize("shape,geom", [(case[1], case[2:]) for case in CASES] + [
-    ((2, 3, 32, 32), (3, 3, 2, 2, 0, 0)),       # NumPy's 3x3/2 phase form
+    ((2, 3, 32, 32), (3, 3, 2, 2, 0, 0)),       # 3x3/2, overlapping windows
     ((1, 2, 13, 13), (3, 3, 2, 2, 0, 0)),       # odd sides (CaffeNet's pools)
-    ((2, 3, 8, 8), (2, 2, 2, 2, 0, 0)),         # windows that tile the image
+    ((2, 3, 8, 8), (2, 2, 2, 2, 0, 0)),         # windows that tile the image exactly
     ((2, 2, 5, 6), (5, 6, 1, 1, 0, 0)),         # one window: global
 ])
 def test_max_pool_kernels_match_loops(compiled, dtype, shape, geom):
