@@ -9,8 +9,8 @@ Per iteration the solver calls::
 
     start_iteration(net, iter_size)
     before_pass(net, i, last)      # per forward/backward pass
-        with threads.progress(sync.progress):   # between backward's kernel chunks
-            net backward -> on_layer_backward(layer)   # after each layer's backward
+        with threads.progress(sync.progress):   # called between kernel chunks
+            net forward, backward -> on_layer_backward(layer)   # after each layer's backward
     finish(net)                    # the gradients are combined
     ...clip, normalize, regularize, update...
     after_update(net)

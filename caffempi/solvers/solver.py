@@ -556,7 +556,7 @@ class Solver:
             sync.start_iteration(net, iter_size)
             for i in range(iter_size):
                 sync.before_pass(net, i, i == iter_size - 1)
-                # the strategy's sums progress between backward's kernel chunks
+                # the strategy's sums progress between the kernels' chunks
                 with threads.progress(sync.progress):
                     loss += net.forward_backward()
             loss /= iter_size
