@@ -10,6 +10,7 @@ from ..common import CaffeError
 from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 from .easgd import ElasticAveraging
 from .launch import check_ranks
+from .powersgd import LowRank, parse_compress
 from .sfb import SFB_MODES, SufficientFactors
 from .sync import BucketedAllreduce
 from .transports import check_comm_dtype, check_comm_mode
@@ -33,6 +34,8 @@ class ParallelConfig:
     gemm_gflops: float = 0.0
     comm_dtype: str = "fp32"
     comm_timeout: float = DEFAULT_TIMEOUT
+    compress: str = "none"
+    compress_start_iter: int = 0
 
     HELP: ClassVar[dict] = {
         "ranks": "Optional; for 'train' without a launcher: run on this many ranks of this host, under the "
@@ -61,6 +64,10 @@ class ParallelConfig:
                       "float32 (half the bytes; CPU nets; any --comm but nccl), or fp32.",
         "comm_timeout": "Optional; seconds a rank may wait in one collective (gradient bucket, agreement, "
                         "broadcast) before it names what it waited for and ends the job; 0: wait forever.",
+        "compress": "Optional; none (exact sums, Caffe's trajectory) or powersgd[:RANK] (PowerSGD: weight "
+                    "gradients sent at rank RANK, default 4, with error feedback, where that sends at most half "
+                    "of them; CPU nets; lossy).",
+        "compress_start_iter": "Optional; with --compress: the first iterations summed exactly.",
     }
 
     def __post_init__(self):
@@ -73,6 +80,10 @@ class ParallelConfig:
             raise CaffeError("unknown --sfb '%s' (auto, on or off)" % self.sfb)
         if self.tau < 1:
             raise CaffeError("--tau must be >= 1, got %d" % self.tau)
+        if parse_compress(self.compress)[0] != "none" and self.sync == "easgd":
+            raise CaffeError("--compress=%s cannot go with --sync=easgd, which sends no gradients" % self.compress)
+        if self.compress_start_iter < 0:
+            raise CaffeError("--compress_start_iter must be >= 0, got %d" % self.compress_start_iter)
 
     @classmethod
     def define_flags(cls, define):
@@ -87,10 +98,14 @@ class ParallelConfig:
 
     def make_sync(self, world):
         """The strategy for ``--sync`` (sgd: :class:`BucketedAllreduce` over
-        ``--comm``, with the sufficient-factor plug-in unless ``--sfb=off``;
+        ``--comm``, with the sufficient-factor plug-in unless ``--sfb=off``
+        and the low-rank one with ``--compress=powersgd``;
         easgd: :class:`ElasticAveraging`, which sends no gradients)."""
         if self.sync == "easgd":
             return ElasticAveraging(world, self.tau, self.alpha)
         plugins = [] if self.sfb == "off" else [SufficientFactors(self.sfb, self.link_gbps, self.gemm_gflops)]
+        mode, rank = parse_compress(self.compress)
+        if mode == "powersgd":       # after the factors: the layers where those win keep them
+            plugins.append(LowRank(rank, self.compress_start_iter))
         return BucketedAllreduce(world, self.comm, self.bucket_mb, min(self.bucket_mb, DEFAULT_FIRST_BUCKET_MB),
                                  comm_dtype=self.comm_dtype, plugins=plugins)

@@ -113,11 +113,11 @@ class SufficientFactors(ReducerPlugin):
         self._gathers = {}             # layer index -> (requests, [(shape, recv)] of dy and x)
 
     # --------------------------------------------------------------- set-up
-    def attach(self, world, net, iter_size, compressor):
+    def attach(self, world, net, iter_size, compressor, taken=()):
         self.world, self.net, self.compressor = world, net, compressor
         self.factor_layers = []
         if world.size > 1 and self.mode != "off":
-            self.factor_layers = self._choose(net, max(1, int(iter_size)))
+            self.factor_layers = self._choose(net, max(1, int(iter_size)), taken)
         for _, layer, _ in self.factor_layers:
             layer.set_param_propagate_down(0, False)
         self._factor_at = {i: layer for i, layer, _ in self.factor_layers}
@@ -140,7 +140,7 @@ class SufficientFactors(ReducerPlugin):
             self._comm.Free()
             self._comm = None
 
-    def eligible(self, world, net, iter_size):
+    def eligible(self, world, net, iter_size, taken=()):
         """[(layer index, layer, weight's param index, (M, N, K))] of the
         layers that could use factors, logging why the others cannot."""
         self.world = world
@@ -152,7 +152,8 @@ class SufficientFactors(ReducerPlugin):
         out = []
         for i, layer in enumerate(net.layers):
             shape = factor_shape(layer)
-            if shape is None or not net.layer_need_backward[i] or id(layer.blobs[0]) not in param_of:
+            if shape is None or not net.layer_need_backward[i] or param_of.get(id(layer.blobs[0])) in taken \
+                    or id(layer.blobs[0]) not in param_of:
                 continue
             why = None
             if net.xp is not np:
@@ -167,8 +168,8 @@ class SufficientFactors(ReducerPlugin):
             out.append((i, layer, param_of[id(layer.blobs[0])], shape))
         return out
 
-    def _choose(self, net, iter_size):
-        candidates = self.eligible(self.world, net, iter_size)
+    def _choose(self, net, iter_size, taken):
+        candidates = self.eligible(self.world, net, iter_size, taken)
         if not candidates:
             return []
         if self.mode == "on":

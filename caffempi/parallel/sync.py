@@ -119,9 +119,10 @@ class ReducerPlugin(ABC):
     :meth:`detach` / :meth:`close`."""
 
     @abstractmethod
-    def attach(self, world, net, iter_size, compressor):
+    def attach(self, world, net, iter_size, compressor, taken=()):
         """Meet the net (collective); returns the indices of the learnable
-        params this plug-in combines.  ``compressor``: the --comm_dtype
+        params this plug-in combines, none of ``taken`` (those the plug-ins
+        before it claimed).  ``compressor``: the --comm_dtype
         :class:`~caffempi.parallel.compression.Compressor`, or None."""
 
     def start_iteration(self):
@@ -198,7 +199,7 @@ class BucketedAllreduce(GradientSync):
             return
         claimed = set()
         for plugin in self.plugins:
-            claimed.update(plugin.attach(self.world, net, self.iter_size, self.compressor))
+            claimed.update(plugin.attach(self.world, net, self.iter_size, self.compressor, frozenset(claimed)))
         self._claimed = tuple(sorted(claimed))
         if self.transport is None:
             with self.world.watch("the gradient transport's set-up"):

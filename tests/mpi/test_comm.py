@@ -272,3 +272,25 @@ def test_float16_sums(n, mode):
 def test_float16_sums_agree_over_every_comm_mode(n):
     p = mpirun(n, [WORKERS / "fp16_modes_worker.py"])
     assert "FP16 MODES OK" in p.stdout
+
+
+@needs_mpi
+@pytest.mark.parametrize("n", [2, 3])
+def test_powersgd_full_rank_is_exact_and_error_feedback_delays_nothing(n):
+    p = mpirun(n, [WORKERS / "powersgd_worker.py"])
+    assert "POWERSGD OK" in p.stdout
+
+
+def test_compress_flags_are_checked_when_the_config_is_made():
+    from caffempi.common import CaffeError
+    from caffempi.parallel.config import ParallelConfig
+    from caffempi.parallel.powersgd import LowRank
+    plugins = ParallelConfig(compress="powersgd:2", compress_start_iter=5).make_sync(SingleWorld()).plugins
+    assert isinstance(plugins[-1], LowRank) and (plugins[-1].rank, plugins[-1].start_iter) == (2, 5)
+    assert not any(isinstance(p, LowRank) for p in ParallelConfig().make_sync(SingleWorld()).plugins)
+    for bad in ("powersgd:0", "powersgd:x", "none:2", "topk"):
+        with pytest.raises(CaffeError, match="unknown --compress '%s'" % bad):
+            ParallelConfig(compress=bad)
+    with pytest.raises(CaffeError, match="--compress=powersgd cannot go with --sync=easgd"):
+        ParallelConfig(compress="powersgd", sync="easgd")
+

@@ -256,3 +256,26 @@ def test_float16_communication_trains_as_float32_to_its_rounding(data_dir, refer
     assert int(got["iter"]) == 6
     np.testing.assert_allclose(got["w"], reference["w"], rtol=0, atol=2e-4)      # seen: 2.8e-5, 3.6e-5
     assert not np.array_equal(got["w"], reference["w"])
+
+
+@needs_mpi
+@pytest.mark.parametrize("n,sfb", [(2, "off"), (3, "on")])
+def test_powersgd_trains_with_its_plan_and_composes_with_factors(data_dir, reference, n, sfb):
+    """--compress=powersgd:2: the weights where rank 2 sends at most half
+    (ip1 20x108, ip2 16x20; not ip3 5x16) go low rank, unless the factors
+    took them (--sfb=on takes all three); the run trains as the exact one
+    to within what low rank delays (the first two steps exact), every rank
+    keeping the same weights (the worker checks)."""
+    out = data_dir / ("psgd_%d_%s.npz" % (n, sfb))
+    p = mpirun(n, [W, data_dir, 12, 6, "out=%s" % out, "compress=powersgd:2", "compress_start_iter=2",
+                   "sfb=%s" % sfb, "prefix=psgd%d%s" % (n, sfb)])
+    low = [line for line in p.stderr.splitlines() if "Low rank: " in line and " at rank 2" in line]
+    assert len(low) == (0 if sfb == "on" else 2), p.stderr
+    got = np.load(out)
+    assert int(got["iter"]) == 6
+    np.testing.assert_allclose(got["w"], reference["w"], rtol=0, atol=0.05)
+    if sfb == "off":
+        assert not np.allclose(got["w"], reference["w"], rtol=0, atol=1e-5)     # it is lossy
+    else:
+        np.testing.assert_allclose(got["w"], reference["w"], rtol=0, atol=1e-6)   # nothing went low rank
+

@@ -70,7 +70,9 @@ def main():
                                                 tau=int(kw.get("tau", 10)), alpha=float(kw.get("alpha", 0.2)),
                                                 bucket_mb=float(kw.get("bucket_mb", 0.001)),
                                                 comm_timeout=float(kw.get("comm_timeout", 600)),
-                                                sfb=kw.get("sfb", "off"), comm_dtype=kw.get("comm_dtype", "fp32")))
+                                                sfb=kw.get("sfb", "off"), comm_dtype=kw.get("comm_dtype", "fp32"),
+                                                compress=kw.get("compress", "none"),
+                                                compress_start_iter=int(kw.get("compress_start_iter", 0))))
 
     def run():
         from google.protobuf import text_format
