@@ -145,8 +145,11 @@ class SharedMemoryTransport(Transport):
         if len(self._buckets) >= MAX_BUCKETS:
             raise CaffeError("--comm=shm: more than %d buckets in an iteration (raise --bucket_mb)"
                              % MAX_BUCKETS)
+        # buckets packed at their values' alignment: capacity_bytes of them
+        # fit however the gradient is cut (odd-sized pieces around the
+        # factor layers' weights included)
         off, nbytes = self._used, buf.nbytes
-        self._used += -(-nbytes // 8) * 8
+        self._used += nbytes
         if self._used > self.capacity:
             raise CaffeError("--comm=shm: %d bytes of gradients in one iteration, %d allocated"
                              % (self._used, self.capacity))
