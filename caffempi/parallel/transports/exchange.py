@@ -2,18 +2,16 @@
 the ranks' pieces are added by the compressor, not by MPI, which has no
 float16 addition in float32.
 
-:class:`CompressedExchange` sums a buffer over one communicator in two
-non-blocking steps.  Each rank compresses its buffer with its own scale
-(:meth:`Compressor.piece_scale`), cuts it into one piece per rank and sends
-every piece with that scale's exponent after it (``MPI_Ialltoallv``: rank r
-receives every rank's piece r); rank r adds them (:meth:`Compressor.sum`,
-each unscaled by its sender's scale, in rank order) and compresses the sum
-with the smallest of the scales, which every rank has received and so
-derives alike; the summed pieces are gathered back (``MPI_Iallgatherv``)
-and decompressed with the mean folded in.  Each rank sends 2(P-1)/P of the
-buffer's wire bytes (and P exponents), as a ring allreduce does, every rank
-ends with the same values, and no collective agrees on a scale first (a
-third step, whose latency a small bucket's sum paid in full).
+:class:`CompressedExchange` sums a buffer over one communicator in three
+non-blocking steps.  The ranks agree on the buffer's largest magnitude
+(``MPI_Iallreduce`` of one float, MAX), from which the compressor picks the
+scale (:meth:`Compressor.agreed_scale`).  The buffer, compressed with it, is
+cut into one piece per rank and the pieces are exchanged
+(``MPI_Ialltoallv``: rank r receives every rank's piece r); rank r adds them
+(:meth:`Compressor.sum`, in rank order), and the summed pieces are gathered
+back (``MPI_Iallgatherv``), then decompressed with the mean folded in.  Each
+rank sends 2(P-1)/P of the buffer's wire bytes, as a ring allreduce does,
+and every rank ends with the same values.
 
 :class:`ExchangeTransport` runs it over all ranks, its steps issued in
 bucket order on every rank (chained.ChainedTransport), polled by the
@@ -27,59 +25,54 @@ from .chained import ChainedTransport
 
 
 class CompressedExchange:
-    """The two steps of a compressed sum over ``comm`` (mpi4py), a chain's
+    """The three steps of a compressed sum over ``comm`` (mpi4py), a chain's
     state kept on the chain (``buf``, ``step``)."""
-    steps = 2            # exchange the pieces, gather the summed pieces
+    steps = 3            # agree on the scale, exchange the pieces, gather the summed pieces
 
     def __init__(self, MPI, comm, compressor):
         self.MPI = MPI
         self.compressor = compressor
         # a communicator a step (chained.py)
-        self.exchange_comm, self.gather_comm = (comm.Dup() for _ in range(2))
+        self.scale_comm, self.exchange_comm, self.gather_comm = (comm.Dup() for _ in range(3))
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         from mpi4py.util import dtlib       # mpi4py only under MPI
         self.wire_type = dtlib.from_numpy_dtype(compressor.wire_view)
 
     def issue(self, c, step):
-        """Start ``step`` (0, 1) of the sum of ``c.buf``; returns its request."""
+        """Start ``step`` (0, 1, 2) of the sum of ``c.buf``; returns its request."""
         view, u = self.compressor.wire_view, self.wire_type
-        wire = self.compressor.wire_dtype
-        size = self.size
         if step == 0:
             n = c.buf.size
-            flat = c.buf.reshape(-1)
-            c.counts = np.array([n // size + (r < n % size) for r in range(size)], np.int64)
+            c.counts = np.array([n // self.size + (r < n % self.size) for r in range(self.size)], np.int64)
             c.displs = np.concatenate([[0], np.cumsum(c.counts)[:-1]]).astype(np.int64)
-            scale = self.compressor.piece_scale(self.compressor.largest(c.buf), size)
-            # piece q, then the scale's exponent: [q's values..., e] for each q
-            c.send = np.empty(n + size, wire)
-            for q in range(size):
-                at, count = c.displs[q] + q, c.counts[q]
-                self.compressor.compress(flat[c.displs[q]:c.displs[q] + count], scale, c.send[at:at + count])
-                c.send[at + count] = np.log2(scale)
-            mine = int(c.counts[self.rank])
-            c.received = np.empty((size, mine + 1), wire)
-            return self.exchange_comm.Ialltoallv(
-                [c.send.view(view), (c.counts + 1, c.displs + np.arange(size)), u],
-                [c.received.view(view), (np.full(size, mine + 1, np.int64),
-                                         np.arange(size, dtype=np.int64) * (mine + 1)), u])
-        # the pieces are in: add them, each unscaled, in rank order
-        scales = [2.0 ** float(e) for e in c.received[:, -1]]
-        c.wire_scale = self.compressor.sum_scale(scales)
-        c.mine = np.empty(c.received.shape[1] - 1, wire)
-        self.compressor.sum(c.received[:, :-1], scales, c.wire_scale, c.mine)
+            c.largest = np.array([self.compressor.largest(c.buf)], np.float32)
+            return self.scale_comm.Iallreduce(self.MPI.IN_PLACE, c.largest, op=self.MPI.MAX)
+        wire = self.compressor.wire_dtype
+        mine = int(c.counts[self.rank])
+        if step == 1:
+            c.wire_scale = self.compressor.agreed_scale(float(c.largest[0]), self.size)
+            c.send = np.empty(c.buf.size, wire)
+            self.compressor.compress(c.buf, c.wire_scale, c.send)
+            c.pieces = np.empty(self.size * mine, wire)
+            recv_counts = np.full(self.size, mine, np.int64)
+            recv_displs = np.arange(self.size, dtype=np.int64) * mine
+            return self.exchange_comm.Ialltoallv([c.send.view(view), (c.counts, c.displs), u],
+                                                 [c.pieces.view(view), (recv_counts, recv_displs), u])
+        # the pieces are in: add them, in rank order
+        c.mine = np.empty(mine, wire)
+        self.compressor.sum(c.pieces.reshape(self.size, mine), c.mine)
         c.out = np.empty(c.buf.size, wire)
         return self.gather_comm.Iallgatherv([c.mine.view(view), u], [c.out.view(view), (c.counts, c.displs), u])
 
     def result(self, c, scale):
-        """The sum, times ``scale``, into ``c.buf`` (after step 1 completed)."""
+        """The sum, times ``scale``, into ``c.buf`` (after step 2 completed)."""
         self.compressor.decompress(c.out, scale / c.wire_scale, c.buf)
 
     def close(self):
-        for comm in (self.exchange_comm, self.gather_comm):
+        for comm in (self.scale_comm, self.exchange_comm, self.gather_comm):
             if comm is not None:
                 comm.Free()
-        self.exchange_comm = self.gather_comm = None
+        self.scale_comm = self.exchange_comm = self.gather_comm = None
 
 
 class ExchangeTransport(ChainedTransport):
