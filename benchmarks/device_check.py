@@ -421,6 +421,8 @@ def installed_env(base):
     env["PYTHONPATH"] = os.pathsep.join([str(REPO)] + sites + rest)
     bins = [os.path.dirname(p) for p in glob.glob(str(PREFIX / "**" / "bin" / "mpiexec"), recursive=True)]
     env["PATH"] = os.pathsep.join(bins + [str(PREFIX / "bin"), base.get("PATH", "")])
+    if bins:         # the carried mpich's, whatever sits beside the device's Python
+        env["CAFFEMPI_MPIEXEC"] = os.path.join(bins[0], "mpiexec")
     libmpi = sorted(glob.glob(str(PREFIX / "**" / "libmpi.so.12"), recursive=True), key=len)
     if libmpi:
         env["MPI4PY_LIBMPI"] = libmpi[0]

@@ -8,6 +8,7 @@ docs/configuration.md lists them for users.
 | variable | attribute | default | meaning |
 |---|---|---|---|
 | CAFFEMPI_MPI | mpi | None | 1: initialise MPI even without a launcher; 0: never (one process); unset: MPI when a launcher started the process |
+| CAFFEMPI_MPIEXEC | mpiexec | None | the mpiexec that --ranks and the tools start ranks with; unset: the one beside this Python, else on PATH |
 | CAFFEMPI_DATA_WORKERS | data_workers | 2 | decode/transform threads per data layer |
 | CAFFEMPI_MALLOC_TUNE | malloc_tune | True | the CLI's allocator tuning and huge-page heap re-exec |
 | CAFFEMPI_CUDNN | cudnn | True | GPU convolutions with engine DEFAULT use cuDNN when it loads |
@@ -43,6 +44,10 @@ def _optional_flag(var, text):
     return None if not text.strip() else _flag(var, text)
 
 
+def _optional_path(var, text):
+    return text.strip() or None
+
+
 def _positive_int(var, text):
     try:
         value = int(text)
@@ -56,6 +61,7 @@ def _positive_int(var, text):
 # attribute -> (environment variable, parser, default when unset)
 SETTINGS = {
     "mpi": ("CAFFEMPI_MPI", _optional_flag, None),
+    "mpiexec": ("CAFFEMPI_MPIEXEC", _optional_path, None),
     "data_workers": ("CAFFEMPI_DATA_WORKERS", _positive_int, 2),
     "malloc_tune": ("CAFFEMPI_MALLOC_TUNE", _flag, True),
     "cudnn": ("CAFFEMPI_CUDNN", _flag, True),

@@ -368,3 +368,19 @@ def test_gpu_all_launches_one_rank_per_device_and_each_rank_takes_its_own(monkey
     assert devices("1", 2) == [1, 1]
     with pytest.raises(CaffeError, match=r"--gpu=0,7: no GPU 7 \(this host has 4\)"):
         devices("0,7", 2)
+
+
+def test_caffempi_mpiexec_names_the_launcher():
+    """CAFFEMPI_MPIEXEC (a path, or a name on PATH) wins over the mpiexec
+    beside this Python: a machine whose Python sits beside another MPI's."""
+    import shutil
+    from caffempi.config import Config, using_config
+    from caffempi.parallel import launch
+    assert Config({"CAFFEMPI_MPIEXEC": " /opt/mpi/bin/mpiexec "}).mpiexec == "/opt/mpi/bin/mpiexec"
+    assert Config({}).mpiexec is None
+    with using_config(mpiexec="/opt/mpi/bin/mpiexec"):
+        assert launch.mpiexec_path() == "/opt/mpi/bin/mpiexec"
+    with using_config(mpiexec="sh"):
+        assert launch.mpiexec_path() == shutil.which("sh")
+    with using_config(mpiexec=None):
+        assert launch.mpiexec_path() != "/opt/mpi/bin/mpiexec"

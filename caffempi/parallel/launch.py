@@ -42,8 +42,11 @@ def ranks_to_launch(ranks, gpu):
 
 
 def mpiexec_path():
-    """The mpiexec beside this Python (the mpich wheel's, in a virtual
-    environment), else the one on PATH, else None."""
+    """CAFFEMPI_MPIEXEC where set (a machine whose Python has another MPI's
+    mpiexec beside it); else the mpiexec beside this Python (the mpich
+    wheel's, in a virtual environment), else the one on PATH, else None."""
+    if config.settings.mpiexec:
+        return shutil.which(config.settings.mpiexec) or config.settings.mpiexec
     beside = os.path.join(os.path.dirname(sys.executable), "mpiexec")
     return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
 
