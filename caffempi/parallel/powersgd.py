@@ -70,7 +70,6 @@ class _Matrix:
         self.param, self.blob = param, blob
         self.rows = blob.shape[0]
         self.cols = blob.count // self.rows
-        self.rank = rank
         self.q = rng.standard_normal((self.cols, rank)).astype(blob.diff.dtype)
         self.error = np.zeros((self.rows, self.cols), blob.diff.dtype)
         self.p = None
@@ -117,8 +116,7 @@ class LowRank(ReducerPlugin):
             cols = blob.count // rows
             rank = min(self.rank, rows, cols)
             share = rank * (rows + cols) / float(rows * cols)
-            owner = net.param_layer_index[p]
-            name = "%s[%d]" % (net.layer_names[owner], [b is blob for b in net.layers[owner].blobs].index(True))
+            name = net.param_owner_names[p]
             if share > self.max_share:
                 self._info("Low rank: %s (%dx%d) keeps the allreduce (rank %d would send %.0f%% of it)",
                            name, rows, cols, rank, 100 * share)

@@ -152,8 +152,8 @@ class SufficientFactors(ReducerPlugin):
         out = []
         for i, layer in enumerate(net.layers):
             shape = factor_shape(layer)
-            if shape is None or not net.layer_need_backward[i] or param_of.get(id(layer.blobs[0])) in taken \
-                    or id(layer.blobs[0]) not in param_of:
+            weight = param_of.get(id(layer.blobs[0])) if shape is not None else None
+            if weight is None or weight in taken or not net.layer_need_backward[i]:
                 continue
             why = None
             if net.xp is not np:
@@ -165,7 +165,7 @@ class SufficientFactors(ReducerPlugin):
             if why:
                 self._info("Sufficient factors: layer '%s' keeps the allreduce (%s)", net.layer_names[i], why)
                 continue
-            out.append((i, layer, param_of[id(layer.blobs[0])], shape))
+            out.append((i, layer, weight, shape))
         return out
 
     def _choose(self, net, iter_size, taken):
