@@ -280,8 +280,9 @@ def test_scaling_model_sufficient_factors():
     assert sfb[0] == pytest.approx(110e-3 - local + 2 * local)
     assert sfb[0] < full[0] / 10
     assert full[1] > 1.0                        # 151 MB at 1 Gbit/s
-    # the choice is --sfb=auto's: factors on the slow link, not for a tiny layer on a fast one
+    # the choice is the reducer's plan's: factors on the slow link, not for a tiny layer on a fast one
     assert scaling_model.factor_choice(prof, 2, alpha, beta, gemm) == {1}
+    assert scaling_model.plan(prof, 2, alpha, beta, gemm) == ({1}, [])
     tiny = {"forward_ms": 1.0, "compute_ms": 3.0, "layers": [
         {"name": "ip", "index": 0, "backward_ms": 1.0, "params": 5010, "factors": [64, 10, 500]}]}
     assert scaling_model.factor_choice(tiny, 2, 20e-6, 1 / 10e9, gemm) == set()
@@ -380,11 +381,14 @@ def test_scaling_model_transport_cost_to_the_computing_thread():
         import cluster as cluster_bench
     finally:
         sys.path.pop(0)
-    for mode, (comm, sfb, dtype) in cluster_bench.MODES.items():
-        if mode == "blocking":
+    for mode, (comm, sfb, dtype, compress) in cluster_bench.MODES.items():
+        if comm in ("blocking", "barrier"):          # no sum during backward; barrier: none at all
             assert mode not in scaling_model.COMM_COST_MODES
         else:
-            assert scaling_model.COMM_COST_MODES[mode] == ("thread" if comm == "auto" else comm, dtype)
+            # a low-rank mode's buckets take another mode's transport
+            same = scaling_model.COMM_COST_SAME.get(mode, mode)
+            assert (same == mode) == (compress == "none")
+            assert scaling_model.COMM_COST_MODES[same] == ("thread" if comm == "auto" else comm, dtype)
 
 
 def test_scaling_model_float16_sums_take_their_calibrated_link():
@@ -398,6 +402,193 @@ def test_scaling_model_float16_sums_take_their_calibrated_link():
     assert as_if_half == pytest.approx(half)
     slower = scaling_model.predict(prof, 2, alpha, beta, "overlap", bytes_per_value=2, sum_link=(alpha, 3 * beta))
     assert slower[1] > half[1]
+
+
+def _conv_profile():
+    """CaffeNet-like: a 384 x 2304 convolution (3.5 MB of weights) under an
+    fc layer, 8 rows a rank; the weights' shapes as bench_net_weights gives them."""
+    layers = [{"name": "data", "index": 0, "backward_ms": 0.0, "params": 0},
+              {"name": "conv3", "index": 1, "backward_ms": 60.0, "params": 384 * 2304 + 384,
+               "weights": [[384, 2304]]},
+              {"name": "relu3", "index": 2, "backward_ms": 5.0, "params": 0},
+              {"name": "fc6", "index": 3, "backward_ms": 20.0, "params": 4096 * 9216 + 4096,
+               "factors": [8, 4096, 9216], "weights": [[4096, 9216]]}]
+    return {"forward_ms": 40.0, "compute_ms": 130.0, "layers": layers}
+
+
+def test_scaling_model_low_rank_on_a_slow_link():
+    """At 100 Mbit/s the plan puts the convolution on low rank (and fc6 on
+    factors): its two sums, r(rows + cols) numbers, replace 3.5 MB in the
+    buckets, and the step is far shorter than without; the P and Q sums
+    cross the link after the layer's backward and P product, Q after P's
+    sum and the Q product, and P Q^T follows backward."""
+    gemm, memory = 50e9, 5e9
+    alpha, beta = 50e-6, 8 / 100e6
+    prof = _conv_profile()
+    factors, lowrank = scaling_model.plan(prof, 2, alpha, beta, gemm, memory, "auto", "powersgd")
+    assert factors == {3} and lowrank == [(1, 384, 2304, 4)]
+    # without --compress low rank only advises; sfb off: no factors
+    assert scaling_model.plan(prof, 2, alpha, beta, gemm, memory, "auto", "none") == ({3}, [])
+    assert scaling_model.plan(prof, 2, alpha, beta, gemm, memory, "off", "powersgd:2") == (
+        set(), [(1, 384, 2304, 2), (3, 4096, 9216, 2)])
+    exact = scaling_model.predict(prof, 2, alpha, beta, factors=factors, gemm_rate=gemm, memory_rate=memory)
+    low = scaling_model.predict(prof, 2, alpha, beta, factors=factors, gemm_rate=gemm, memory_rate=memory,
+                                lowrank=lowrank)
+    conv_sum = scaling_model.ring_time(384 * 2304 * 4, 2, alpha, beta)
+    # exposed: the conv's 3.5 MB sum, after backward; low rank: a few ms of passes and small sums instead
+    assert exact[1] > 0.99 * conv_sum > 0.1 and low[0] < exact[0] - 0.8 * conv_sum
+    # the timeline of the conv alone (no factors, no bias to sum)
+    hook, q_work, final = scaling_model.lowrank_stages(384, 2304, 4, gemm, memory)
+    from caffempi.parallel.costs import Costs
+    from caffempi.parallel.powersgd import lowrank_seconds
+    assert hook + q_work + final == pytest.approx(lowrank_seconds(Costs(2, float("inf"), 0.0, gemm, memory),
+                                                                  384, 2304, 4))
+    conv_only = {"forward_ms": 10.0, "compute_ms": 70.0, "layers": [
+        {"name": "conv", "index": 0, "backward_ms": 50.0, "params": 384 * 2304},
+        {"name": "top", "index": 1, "backward_ms": 10.0, "params": 0}]}
+    step, exposed = scaling_model.predict(conv_only, 2, alpha, beta, gemm_rate=gemm, memory_rate=memory,
+                                          lowrank=[(0, 384, 2304, 4)])
+    p_sum = scaling_model.ring_time(4 * 384 * 4, 2, alpha, beta)
+    q_sum = scaling_model.ring_time(4 * 2304 * 4, 2, alpha, beta)
+    # backward ends with conv's hook; then P's sum, the Q product, Q's sum and the final products
+    assert exposed == pytest.approx(p_sum + q_work + q_sum + final)
+    assert step == pytest.approx(0.070 + hook + exposed)
+
+
+def test_scaling_model_low_rank_q_product_takes_the_computing_thread():
+    """A P sum that is in while backward goes on: its Q product delays the
+    rest of backward (the computing thread does it between kernels)."""
+    gemm, memory = 50e9, 5e9
+    alpha, beta = 5e-6, 8 / 10e9
+    prof = {"forward_ms": 10.0, "compute_ms": 210.0, "layers": [
+        {"name": "conv1", "index": 0, "backward_ms": 150.0, "params": 0},
+        {"name": "conv2", "index": 1, "backward_ms": 50.0, "params": 384 * 2304}]}
+    step, exposed = scaling_model.predict(prof, 2, alpha, beta, gemm_rate=gemm, memory_rate=memory,
+                                          lowrank=[(1, 384, 2304, 4)])
+    hook, q_work, final = scaling_model.lowrank_stages(384, 2304, 4, gemm, memory)
+    # both sums cross inside conv1's backward, which the Q product stretches
+    assert exposed == pytest.approx(final)
+    assert step == pytest.approx(0.210 + hook + q_work + final)
+
+
+def test_scaling_model_fast_link_plans_exact():
+    """On 100Gb InfiniBand the plan keeps every weight on the allreduce and
+    the predictions are the uncompressed ones."""
+    gemm, memory = 50e9, 5e9
+    alpha, beta = scaling_model.PRESETS["100Gb-IB"]
+    prof = _conv_profile()
+    for n in (2, 16, 64):
+        factors, lowrank = scaling_model.plan(prof, n, alpha, beta, gemm, memory, "off", "powersgd")
+        assert lowrank == [] and factors == set()
+        assert scaling_model.predict(prof, n, alpha, beta, gemm_rate=gemm, lowrank=lowrank) == \
+            scaling_model.predict(prof, n, alpha, beta, gemm_rate=gemm)
+
+
+def test_scaling_model_plan_is_the_reducers(monkeypatch):
+    """plan() takes what BucketedAllreduce._plan takes, given the same costs
+    and the plug-ins' own offers (sufficient factors, then low rank)."""
+    from types import SimpleNamespace
+    from caffempi.parallel import sync
+    from caffempi.parallel.powersgd import LowRank
+    from caffempi.parallel.sfb import SufficientFactors, factor_seconds
+    gemm, memory = 50e9, 5e9
+    prof = _conv_profile()
+    prof["layers"].append({"name": "fc8", "index": 4, "backward_ms": 1.0, "params": 1000 * 4096 + 1000,
+                           "factors": [8, 1000, 4096], "weights": [[1000, 4096]]})
+    blobs = [SimpleNamespace(shape=(384, 256, 3, 3), count=384 * 2304), SimpleNamespace(shape=(384,), count=384),
+             SimpleNamespace(shape=(4096, 9216), count=4096 * 9216), SimpleNamespace(shape=(1000, 4096),
+                                                                                    count=1000 * 4096)]
+    layer_of = [1, 1, 3, 4]
+    net = SimpleNamespace(learnable_params=blobs, param_owner_names=["w%d" % p for p in range(4)], xp=np)
+
+    class Factors(SufficientFactors):
+        def offer(self, world, net, iter_size, costs, compressor):
+            return {2: factor_seconds(costs, 8, 4096, 9216), 3: factor_seconds(costs, 8, 1000, 4096)}
+
+    checked = set()
+    for n in (2, 16, 64):
+        for gbits in (0.1, 1.0, 10.0, 100.0):
+            alpha, beta = 30e-6, 8 / (gbits * 1e9)
+            for compress in ("none", "powersgd", "powersgd:1"):
+                costs = scaling_model.plan_costs(n, alpha, beta, gemm, memory)
+                monkeypatch.setattr(sync, "measure_costs", lambda *args: costs)
+                world = SimpleNamespace(size=n, rank=0, bcast=lambda obj, *args: obj)
+                red = sync.BucketedAllreduce.__new__(sync.BucketedAllreduce)
+                mode, rank = compress.partition(":")[0], int(compress.partition(":")[2] or 4)
+                red.plugins = [Factors("auto"), LowRank(rank, use="auto" if mode == "powersgd" else "advise")]
+                red.world, red.compressor, red.link_gbps, red.gemm_gflops = world, None, 0.0, 0.0
+                red.iter_size = 1
+                red.collectives = SimpleNamespace(is_root=False)
+                shares = red._plan(net)
+                factors, lowrank = scaling_model.plan(prof, n, alpha, beta, gemm, memory, "auto", compress)
+                assert factors == {layer_of[p] for p in shares[0]}
+                assert [i for i, _, _, _ in lowrank] == [layer_of[p] for p in shares[1]]
+                checked.add((bool(factors), bool(lowrank)))
+    assert len(checked) >= 3            # exact, factors, low rank all taken somewhere
+
+
+def _cluster_records():
+    """benchmarks/cluster.py --json records: a net's pair profile and its
+    2-host runs, one with low rank in its plan lines."""
+    layers = [dict(L, factors_used=False) for L in _conv_profile()["layers"]]
+    for L in layers:
+        L.pop("weights", None)
+    run = {"forward_ms": 40.0, "compute_ms": 130.0, "step_ms": 135.0, "skew_ms": 1.0, "layers": layers}
+    plan = ["Plan: conv3[0] (384x256x3x3): allreduce 70.8 ms, low rank 6.1 ms: low rank",
+            "Plan: fc6[0] (4096x9216): allreduce 3.02e+03 ms, sufficient factors 42 ms, low rank 226 ms: "
+            "sufficient factors"]
+    exact = ["Plan: conv3[0] (384x256x3x3): allreduce 70.8 ms, sufficient factors 1 ms: allreduce",
+             "Plan: fc6[0] (4096x9216): allreduce 3.02e+03 ms, sufficient factors 42 ms: sufficient factors"]
+    records = []
+    for mode, choices in (("default", exact), ("powersgd", plan), ("powersgd_fp16", plan)):
+        records.append({"net": "toy", "rate": "100mbit", "mode": mode, "efficiency": 0.5, "step_ms": 200.0,
+                        "choices": choices, "runs": [run, run], "pair_runs": [run, run]})
+    records.append({"net": "toy", "rate": None, "mode": "pair", "pair_runs": [run, run]})
+    return records
+
+
+def test_scaling_model_cluster_report_low_rank_rows():
+    """cluster_report predicts the powersgd rows with their plan lines' low
+    rank (shorter than the default row on a slow link), and its host table
+    has the compress rows beside sfb; the weights' shapes come from the
+    plan lines when no net is built."""
+    links = {"100mbit": (50e-6, 8 / 100e6)}
+    text = scaling_model.cluster_report(_cluster_records(), links, 50e9, memory_rate=5e9, hosts=(16, 64))
+    rows = {line.split()[2]: line.split() for line in text.splitlines() if line.startswith("toy ")
+            and "100mbit" in line}
+    assert set(rows) == {"default", "powersgd", "powersgd_fp16"}
+    assert float(rows["powersgd"][3]) < float(rows["default"][3])
+    assert rows["powersgd"][-5:] == ["factors", "1,", "low", "rank", "1"] and rows["default"][-1] == "0"
+    assert "3 predictions" in text or "of 3 predictions" in text
+    table = [line.split() for line in text.splitlines() if line.startswith("toy ") and "hosts:" not in line
+             and ("GbE" in line or "-IB" in line)]
+    assert sorted((t[1], t[2], t[3]) for t in table) == sorted(
+        (net, sfb, comp) for net in ("10GbE", "100Gb-IB") for sfb in ("off", "auto") for comp in ("none", "powersgd"))
+    assert all(t[-1].endswith("x") for t in table)
+    assert "The plan of the sfb=auto, compress=powersgd rows:" in text
+    # the same shapes given as a built net's: the same report
+    weights = {"toy": {"conv3": [(384, 2304)], "fc6": [(4096, 9216)]}}
+    assert scaling_model.cluster_report(_cluster_records(), links, 50e9, memory_rate=5e9, weights=weights) == text
+    # a run's layer records say its low rank (benchmarks/scaling.py's "low_rank"), the built net the shapes
+    records = _cluster_records()
+    for r in records[1:3]:
+        layers = [dict(L, low_rank=4 if L["name"] == "conv3" else None, factors_used=L["name"] == "fc6")
+                  for L in r["runs"][0]["layers"]]
+        r["runs"] = [dict(r["runs"][0], layers=layers)] * 2
+        r["choices"] = []
+    # a barrier run (no gradients): free communication, the wait for the slower rank only (skew 1 ms)
+    records.append(dict(records[0], mode="barrier", choices=[]))
+    again = scaling_model.cluster_report(records, links, 50e9, memory_rate=5e9, weights=weights)
+    barrier, = [line.split() for line in again.splitlines() if " barrier " in line]
+    assert float(barrier[3]) == pytest.approx(136.0, abs=0.05) and barrier[-1] == "0"
+    assert [line for line in again.splitlines() if "powersgd " in line and "100mbit" in line] == [
+        line for line in text.splitlines() if "powersgd " in line and "100mbit" in line]
+
+
+def test_scaling_model_bench_net_weights():
+    """The weights' shapes of a benchmark net, as LowRank takes them (rows: the first axis)."""
+    weights = scaling_model.bench_net_weights("lenet")
+    assert weights == {"conv1": [(20, 25)], "conv2": [(50, 500)], "ip1": [(500, 800)], "ip2": [(10, 500)]}
 
 
 @pytest.mark.parametrize("flag, value, words", [

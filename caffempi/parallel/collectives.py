@@ -91,6 +91,11 @@ class Collectives:
         snapshot, so that a resume on as many ranks is exact."""
         return self.world.gather(obj, what="every rank's state for the snapshot") if self.active else [obj]
 
+    def scatter_object(self, objs):
+        """Rank r's item of rank 0's list ``objs`` (one per rank), on rank r:
+        each rank's part of a snapshot (its low-rank error) goes to it alone."""
+        return self.world.scatter(objs, what="every rank's state from the snapshot") if self.active else objs[0]
+
     def broadcast_object(self, obj):
         """Rank 0's picklable ``obj`` on every rank."""
         return self.world.bcast(obj, 0, "rank 0's result (files only rank 0 reads)") if self.active else obj

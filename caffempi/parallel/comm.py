@@ -117,6 +117,11 @@ class World(ABC):
     def gather(self, obj, root=0, what="a gather"):
         """Every rank's ``obj`` in rank order on ``root``, None elsewhere."""
 
+    @abstractmethod
+    def scatter(self, objs, root=0, what="a scatter"):
+        """Rank r's item of ``root``'s list ``objs`` (one per rank; ignored
+        on the other ranks), on rank r."""
+
     def any(self, flag, what="an agreement"):
         """True on every rank if ``flag`` is true on any rank."""
         return bool(self.allreduce_scalars([1.0 if flag else 0.0], "max", what)[0])
@@ -161,6 +166,9 @@ class SingleWorld(World):
 
     def gather(self, obj, root=0, what="a gather"):
         return [obj]
+
+    def scatter(self, objs, root=0, what="a scatter"):
+        return objs[0]
 
     def abort(self, code=1):
         sys.stdout.flush()
@@ -233,6 +241,10 @@ class MPIWorld(World):
     def gather(self, obj, root=0, what="a gather"):
         with self.watch(what):
             return self.comm.gather(obj, root=root)
+
+    def scatter(self, objs, root=0, what="a scatter"):
+        with self.watch(what):
+            return self.comm.scatter(objs, root=root)
 
     def abort(self, code=1):
         sys.stdout.flush()

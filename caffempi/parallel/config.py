@@ -56,17 +56,18 @@ class ParallelConfig:
         "alpha": "Optional; EASGD moving rate.",
         "sfb": "Optional; sufficient-factor broadcast for InnerProduct weights (Poseidon): auto (a cost model "
                "chooses per layer at start-up), on (every eligible layer) or off.",
-        "link_gbps": "Optional; the link bandwidth the --sfb cost model assumes, in Gbit/s (0: measured at "
-                     "start-up).",
-        "gemm_gflops": "Optional; the GEMM rate the --sfb cost model assumes, in GFLOP/s (0: measured at "
-                       "start-up).",
+        "link_gbps": "Optional; the link bandwidth the gradient plan (--sfb, --compress) assumes, in Gbit/s "
+                     "(0: measured at start-up).",
+        "gemm_gflops": "Optional; the GEMM rate the gradient plan (--sfb, --compress) assumes, in GFLOP/s (0: "
+                       "measured at start-up).",
         "comm_dtype": "Optional; fp16 sends gradient buckets and sufficient factors as float16, summed in "
                       "float32 (half the bytes; CPU nets; any --comm but nccl), or fp32.",
         "comm_timeout": "Optional; seconds a rank may wait in one collective (gradient bucket, agreement, "
                         "broadcast) before it names what it waited for and ends the job; 0: wait forever.",
-        "compress": "Optional; none (exact sums, Caffe's trajectory) or powersgd[:RANK] (PowerSGD: weight "
-                    "gradients sent at rank RANK, default 4, with error feedback, where that sends at most half "
-                    "of them; CPU nets; lossy).",
+        "compress": "Optional; none (exact sums, Caffe's trajectory; the log says where low rank would pay) "
+                    "or powersgd[:RANK] (PowerSGD: weight gradients sent at rank RANK, default 4, with error "
+                    "feedback, where the cost model finds it over 10% faster than the exact ways; CPU nets; "
+                    "lossy).",
         "compress_start_iter": "Optional; with --compress: the first iterations summed exactly.",
     }
 
@@ -103,9 +104,15 @@ class ParallelConfig:
         easgd: :class:`ElasticAveraging`, which sends no gradients)."""
         if self.sync == "easgd":
             return ElasticAveraging(world, self.tau, self.alpha)
-        plugins = [] if self.sfb == "off" else [SufficientFactors(self.sfb, self.link_gbps, self.gemm_gflops)]
-        mode, rank = parse_compress(self.compress)
-        if mode == "powersgd":       # after the factors: the layers where those win keep them
-            plugins.append(LowRank(rank, self.compress_start_iter))
         return BucketedAllreduce(world, self.comm, self.bucket_mb, min(self.bucket_mb, DEFAULT_FIRST_BUCKET_MB),
-                                 comm_dtype=self.comm_dtype, plugins=plugins)
+                                 comm_dtype=self.comm_dtype, plugins=self.make_plugins(), link_gbps=self.link_gbps,
+                                 gemm_gflops=self.gemm_gflops)
+
+    def make_plugins(self):
+        """The reducer's plug-ins: sufficient factors unless ``--sfb=off``,
+        then low rank (last: lossy, it must beat the exact ways; without
+        ``--compress`` it only advises)."""
+        plugins = [] if self.sfb == "off" else [SufficientFactors(self.sfb)]
+        mode, rank = parse_compress(self.compress)
+        plugins.append(LowRank(rank, self.compress_start_iter, use="auto" if mode == "powersgd" else "advise"))
+        return plugins

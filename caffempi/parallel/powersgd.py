@@ -22,13 +22,18 @@ lost, only delayed.  The first ``start_iter`` steps sum the gradient
 exactly (Vogels et al. start compressing after a warm-up).
 
 :class:`LowRank` is a plug-in of the reducer
-(:class:`~caffempi.parallel.sync.ReducerPlugin`): it claims the parameters
-where r(O + K) is at most half of O*K (and no earlier plug-in took them),
-starts a parameter's P sum as soon as the backward of the layer that owns
-it has run, and the Q sum as soon as P's is in (both non-blocking, on
-communicators of their own, in the same order on every rank), between
-layers and kernel chunks (``progress``), and forms the gradients in
-``finish``.  CPU nets; shared weights are summed at their owner's
+(:class:`~caffempi.parallel.sync.ReducerPlugin`).  It offers every weight of
+two or more axes at :func:`lowrank_seconds` (the two sums' bytes and
+latencies, the three products, the passes over M' and E); the reducer's
+plan gives it those where that beats the exact ways by more than its
+margin.  It starts a param's P sum as soon as the backward of the layer
+that owns it has run and the Q sum as soon as P's is in, through
+transports of its own (``make_chained_transport``: float32 Iallreduces, or
+the compressor's exchange under ``--comm_dtype=fp16``; polled), in the
+same order on every rank, and forms the
+gradients in ``finish``.  Q, E and the step count are the plug-in's state
+(:meth:`LowRank.state`), saved in snapshots so that a resumed run goes on
+with the same bits.  CPU nets; shared weights are summed at their owner's
 backward as the buckets are.
 """
 import numpy as np
@@ -36,12 +41,14 @@ import numpy as np
 from ..backend import kernels
 from ..common import CaffeError, log
 from .sync import ReducerPlugin
+from .transports import make_chained_transport
 from .transports.base import scale_in_place, yield_core
 
 COMPRESS_MODES = ("none", "powersgd")
 DEFAULT_RANK = 4
-#: low rank is used where it sends at most this share of the gradient's numbers
-MAX_SHARE = 0.5
+#: how LowRank takes params: by the plan's costs, every one it can, or none
+#: (the plan only says where it would win)
+USES = ("auto", "all", "advise")
 
 
 def parse_compress(value):
@@ -50,6 +57,19 @@ def parse_compress(value):
     if mode not in COMPRESS_MODES or (rank and (mode == "none" or not rank.isdigit() or int(rank) < 1)):
         raise CaffeError("unknown --compress '%s' (none, powersgd or powersgd:RANK with RANK >= 1)" % value)
     return mode, int(rank) if rank else DEFAULT_RANK
+
+
+def lowrank_seconds(costs, rows, cols, rank, itemsize=4):
+    """The estimated seconds a step of a rows x cols gradient at ``rank``
+    (``costs``: :class:`~caffempi.parallel.costs.Costs`): the P and Q sums
+    (a latency each, r(rows + cols) numbers in all), the three products
+    (2 rows cols r FLOPs each) and the orthonormalisation, and ten bytes
+    touched a value of M (M' = M + E and E -= P Q^T, three each; the two
+    reads of M' by the products; the write of P Q^T)."""
+    rank = min(rank, rows, cols)
+    return (2 * costs.latency + costs.allreduce_seconds(rank * (rows + cols) * itemsize)
+            + costs.gemm_seconds(6.0 * rows * cols * rank + 4.0 * rows * rank * rank)
+            + costs.pass_seconds(10.0 * rows * cols * 4))
 
 
 def orthonormalise(p):
@@ -66,15 +86,16 @@ def orthonormalise(p):
 class _Matrix:
     """One compressed parameter's state."""
 
-    def __init__(self, param, blob, rank, rng):
-        self.param, self.blob = param, blob
+    def __init__(self, param, name, blob, rank, rng):
+        self.param, self.name, self.blob = param, name, blob
         self.rows = blob.shape[0]
         self.cols = blob.count // self.rows
-        self.q = rng.standard_normal((self.cols, rank)).astype(blob.diff.dtype)
+        self.rank = min(rank, self.rows, self.cols)
+        self.q = rng.standard_normal((self.cols, self.rank)).astype(blob.diff.dtype)
         self.error = np.zeros((self.rows, self.cols), blob.diff.dtype)
         self.p = None
         self.stage = None           # "exact", "p" or "q" while its sums are in flight
-        self.request = None
+        self.handle = None
 
     @property
     def gradient(self):
@@ -82,67 +103,103 @@ class _Matrix:
 
 
 class LowRank(ReducerPlugin):
-    """PowerSGD on the weights where rank ``rank`` sends at most
-    ``max_share`` of the gradient's numbers; exact sums for the first
+    """PowerSGD at rank ``rank`` on the weights the plan gives it (``use``:
+    auto, by the costs; all, every weight of two or more axes; advise, none,
+    the plan saying where it would win); exact sums for the first
     ``start_iter`` steps; Q's first draw from ``seed`` (the same on every
     rank)."""
+    name = "low rank"
+    lossy = True
+    flag = "--compress=powersgd"
 
-    def __init__(self, rank=DEFAULT_RANK, start_iter=0, seed=0, max_share=MAX_SHARE):
+    def __init__(self, rank=DEFAULT_RANK, start_iter=0, seed=0, use="auto"):
+        if use not in USES:
+            raise CaffeError("LowRank: use must be one of %s, got '%s'" % (", ".join(USES), use))
         self.rank = int(rank)
         self.start_iter = int(start_iter)
         self.seed = int(seed)
-        self.max_share = float(max_share)
+        self.use = use
+        self.advise_only = use == "advise"
         self.world = None
         self.matrices = []
         self._ready = {}             # layer index -> its matrices
-        self._comms = None           # (P's communicator, Q's)
+        self._sums = None            # (P's transport, Q's)
         self._pending = []           # matrices with sums in flight, in start order
         self.steps = 0               # steps combined so far
 
     # --------------------------------------------------------------- set-up
-    def attach(self, world, net, iter_size, compressor, taken=()):
+    def offer(self, world, net, iter_size, costs, compressor):
+        self.world = world
+        if world.size == 1:
+            return {}
+        if net.xp is not np:
+            if not self.advise_only:
+                self._info("Low rank: GPU nets sum every gradient with the allreduce")
+            return {}
+        itemsize = 4 if compressor is None else compressor.wire_dtype.itemsize
+        out = {}
+        for p, blob in enumerate(net.learnable_params):
+            if len(blob.shape) >= 2:
+                rows = blob.shape[0]
+                out[p] = (float("-inf") if self.use == "all"
+                          else lowrank_seconds(costs, rows, blob.count // rows, self.rank, itemsize))
+        return out
+
+    def attach(self, world, net, iter_size, compressor, params):
         self.world = world
         self.matrices, self._ready = [], {}
-        if world.size == 1:
-            return []
-        if net.xp is not np:
-            self._info("Low rank: GPU nets sum every gradient with the allreduce")
-            return []
         rng = np.random.RandomState(self.seed)
-        for p, blob in enumerate(net.learnable_params):
-            if p in taken or len(blob.shape) < 2:
-                continue
-            rows = blob.shape[0]
-            cols = blob.count // rows
-            rank = min(self.rank, rows, cols)
-            share = rank * (rows + cols) / float(rows * cols)
-            name = net.param_owner_names[p]
-            if share > self.max_share:
-                self._info("Low rank: %s (%dx%d) keeps the allreduce (rank %d would send %.0f%% of it)",
-                           name, rows, cols, rank, 100 * share)
-                continue
-            m = _Matrix(p, blob, rank, rng)
+        for p in sorted(params):
+            m = _Matrix(p, net.param_owner_names[p], net.learnable_params[p], self.rank, rng)
             self.matrices.append(m)
             self._ready.setdefault(net.param_layer_index[p], []).append(m)
             self._info("Low rank: %s (%dx%d) at rank %d: %d numbers a step instead of %d (%.1f%%)",
-                       name, rows, cols, rank, rank * (rows + cols), rows * cols, 100 * share)
-        if self.matrices and self._comms is None:
-            with world.watch("the low-rank communicators' set-up"):
-                self._comms = (world.comm.Dup(), world.comm.Dup())
-        return [m.param for m in self.matrices]
+                       m.name, m.rows, m.cols, m.rank, m.rank * (m.rows + m.cols), m.rows * m.cols,
+                       100.0 * m.rank * (m.rows + m.cols) / (m.rows * m.cols))
+        if self.matrices and self._sums is None:
+            with world.watch("the low-rank transports' set-up"):
+                self._sums = (make_chained_transport(world, compressor), make_chained_transport(world, compressor))
 
     def detach(self):
         self._pending = []
 
     def close(self):
-        if self._comms is not None:
-            for comm in self._comms:
-                comm.Free()
-            self._comms = None
+        if self._sums is not None:
+            for transport in self._sums:
+                transport.close()
+            self._sums = None
 
     def _info(self, msg, *args):
         if self.world.rank == 0:
             log.info(msg, *args)
+
+    # ---------------------------------------------------------------- state
+    def state(self):
+        """None with no matrix, else this rank's arrays and the step count:
+        {"steps": n, "arrays": {"<param>/q": Q, "<param>/error": E}}."""
+        if not self.matrices:
+            return None
+        arrays = {}
+        for m in self.matrices:
+            arrays[m.name + "/q"] = m.q
+            arrays[m.name + "/error"] = m.error
+        return {"steps": self.steps, "arrays": arrays}
+
+    def load_state(self, state):
+        """Take a :meth:`state` (this rank's, from a snapshot of as many
+        ranks); a CaffeError names an array that does not fit."""
+        arrays = state.get("arrays", {})
+        for m in self.matrices:
+            for key, mine in ((m.name + "/q", m.q), (m.name + "/error", m.error)):
+                if key not in arrays:
+                    raise CaffeError("the snapshot has no low-rank array '%s' (was it written with the same "
+                                     "--compress and net?)" % key)
+                saved = np.asarray(arrays[key])
+                if saved.size != mine.size:
+                    raise CaffeError("low-rank array '%s' has %d values in the snapshot, this run's has %d "
+                                     "(another --compress rank?)" % (key, saved.size, mine.size))
+                mine[...] = saved.reshape(mine.shape)
+        self.steps = int(state.get("steps", 0))
 
     # ------------------------------------------------------------ iteration
     def start_iteration(self):
@@ -153,7 +210,6 @@ class LowRank(ReducerPlugin):
             self._start(m)
 
     def _start(self, m):
-        MPI = self.world.MPI
         if self.steps < self.start_iter:
             m.stage = "exact"
             buf = m.gradient
@@ -162,23 +218,24 @@ class LowRank(ReducerPlugin):
             m.p = kernels.matmul(np, m.error, m.q)
             m.stage = "p"
             buf = m.p
-        m.request = self._comms[0].Iallreduce(MPI.IN_PLACE, buf, op=MPI.SUM)
+        m.handle = self._sums[0].allreduce_start(buf)
         self._pending.append(m)
 
     def progress(self):
-        """Test the sums in flight; a P that is in starts its Q, in start
-        order (a Q is issued only after every earlier matrix's)."""
-        MPI = self.world.MPI
+        """Move the sums in flight; a P that is in starts its Q, in start
+        order (a Q is started only after every earlier matrix's)."""
+        for transport in self._sums or ():
+            transport.poll()
         in_order = True
         done = True
         for m in self._pending:
-            if m.stage == "p" and in_order and m.request.Test():
+            if m.stage == "p" and in_order and m.handle.done.is_set():
                 orthonormalise(m.p)
                 m.q = kernels.matmul(np, m.error.T, m.p)
-                m.request = self._comms[1].Iallreduce(MPI.IN_PLACE, m.q, op=MPI.SUM)
+                m.handle = self._sums[1].allreduce_start(m.q)
                 m.stage = "q"
             in_order = in_order and m.stage != "p"
-            done = done and m.request.Test()
+            done = done and m.handle.done.is_set()
         return done and in_order
 
     def finish(self, net, scale, progress):
@@ -198,6 +255,6 @@ class LowRank(ReducerPlugin):
                 scale_in_place(m.q, scale)
                 kernels.matmul_into(np, m.p, m.q.T, m.gradient)
                 m.error -= m.gradient
-            m.stage = m.request = None
+            m.stage = m.handle = None
         self._pending = []
         self.steps += 1

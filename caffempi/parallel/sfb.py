@@ -9,20 +9,19 @@ whole gradient with one GEMM: for CaffeNet's fc6 at 8 images a rank, 0.4 MB
 a rank instead of 151 MB.  The bias and every other layer stay on the
 bucketed allreduce.
 
-Which layers use it is decided once, at start-up, by a cost model: the time
-to sum the gradient (ring allreduce: 2(P-1)/P of its bytes over the link)
-against the time to gather the factors ((P-1)/P of P*M*(N+K)*4 bytes, two
-messages) plus the extra GEMM (the (P-1)*M rows of the other ranks).  The
-link's bandwidth and latency and the GEMM rate are measured then (or given:
-``link_gbps``, ``gemm_gflops``), on rank 0, whose choice every rank takes.
+Which layers use it is decided once, at start-up, by the reducer's plan
+(:mod:`~caffempi.parallel.costs`): the time to sum the gradient (ring
+allreduce: 2(P-1)/P of its bytes over the link) against the time to gather
+the factors ((P-1)/P of P*M*(N+K)*4 bytes, two messages) plus the extra
+GEMM (the (P-1)*M rows of the other ranks), :func:`factor_seconds`.
 A layer falls back to the allreduce, with its reason in the log, when its
 weight is shared with another layer (its gradient has several parts),
 under ``iter_size`` > 1 (the factors of each sub-batch would have to be
 kept), and on GPU nets.
 
 :class:`SufficientFactors` is a plug-in of the reducer
-(:class:`~caffempi.parallel.sync.ReducerPlugin`): it claims the chosen
-weights, reads each layer's factors in the backward hook (the layer says
+(:class:`~caffempi.parallel.sync.ReducerPlugin`): it offers the eligible
+weights, takes those the plan gives it, reads each layer's factors in the backward hook (the layer says
 what they are through ``Layer.weight_factors``), gathers them while
 backward goes on, and forms the mean gradients in ``finish``.
 """
@@ -39,17 +38,12 @@ SFB_MODES = ("auto", "on", "off")
 _ITEM = 4          # float32 bytes
 
 
-def factor_plan(layers, ranks, bandwidth, latency, gemm_rate):
-    """For each (M, N, K) in ``layers``: (use factors?, allreduce seconds,
-    factor seconds) by the cost model above; bandwidth in bytes/s, latency
-    in seconds a message, gemm_rate in FLOP/s."""
-    out = []
-    for m, n, k in layers:
-        full = 2.0 * (ranks - 1) / ranks * n * k * _ITEM / bandwidth
-        gather = 2 * latency + (ranks - 1) * m * (n + k) * _ITEM / bandwidth
-        extra_gemm = 2.0 * (ranks - 1) * m * n * k / gemm_rate
-        out.append((gather + extra_gemm < full, full, gather + extra_gemm))
-    return out
+def factor_seconds(costs, m, n, k, itemsize=_ITEM):
+    """The estimated seconds of a layer's factors, M rows of N + K numbers a
+    rank (``costs``: :class:`~caffempi.parallel.costs.Costs`): their two
+    all-gathers plus the GEMM over the other ranks' (P-1)*M rows."""
+    return (costs.gather_seconds(m * (n + k) * itemsize, messages=2)
+            + costs.gemm_seconds(2.0 * (costs.ranks - 1) * m * n * k))
 
 
 def factor_shape(layer):
@@ -61,18 +55,6 @@ def factor_shape(layer):
     rows, transposed = factors
     n, k = layer.blobs[0].shape[::-1] if transposed else layer.blobs[0].shape
     return rows, n, k
-
-
-def measure_gemm_rate(repeats=1):
-    """FLOP/s of this process's float32 GEMM (kernels.matmul, on the
-    process's kernel threads) on a product of fc-layer proportions."""
-    a = np.ones((256, 2048), np.float32)
-    b = np.ones((2048, 1024), np.float32)
-    kernels.matmul(np, a, b)
-    t = time.perf_counter()
-    for _ in range(repeats):
-        kernels.matmul(np, a, b)
-    return repeats * 2.0 * 256 * 2048 * 1024 / max(time.perf_counter() - t, 1e-9)
 
 
 def measure_weight_grad_seconds(rows, num_output, num_input, accumulate=False, repeats=3):
@@ -94,17 +76,16 @@ def measure_weight_grad_seconds(rows, num_output, num_input, accumulate=False, r
 
 class SufficientFactors(ReducerPlugin):
     """The weights of the chosen fully connected layers formed from every
-    rank's sufficient factors.  ``mode``: auto (the cost model chooses), on
-    (every eligible layer), off (none); ``link_gbps``, ``gemm_gflops``: the
-    cost model's link and GEMM rate (0: measured at attach)."""
+    rank's sufficient factors.  ``mode``: auto (the reducer's plan chooses
+    by :func:`factor_seconds`), on (every eligible layer), off (none)."""
+    name = "sufficient factors"
 
-    def __init__(self, mode="auto", link_gbps=0.0, gemm_gflops=0.0):
+    def __init__(self, mode="auto"):
         if mode not in SFB_MODES:
             raise CaffeError("unknown --sfb '%s' (auto, on or off)" % mode)
         self.mode = mode
-        self.link_gbps = float(link_gbps)
-        self.gemm_gflops = float(gemm_gflops)
         self.world = None
+        self._eligible = []            # (layer index, layer, param index, (M, N, K)) from offer
         self.net = None
         self.compressor = None
         self.factor_layers = []        # (layer index, layer, param index of its weight)
@@ -113,18 +94,21 @@ class SufficientFactors(ReducerPlugin):
         self._gathers = {}             # layer index -> (requests, [(shape, recv)] of dy and x)
 
     # --------------------------------------------------------------- set-up
-    def attach(self, world, net, iter_size, compressor, taken=()):
+    def offer(self, world, net, iter_size, costs, compressor):
+        self._eligible = [] if self.mode == "off" else self.eligible(world, net, max(1, int(iter_size)))
+        itemsize = _ITEM if compressor is None else compressor.wire_dtype.itemsize
+        return {p: float("-inf") if self.mode == "on" else factor_seconds(costs, *shape, itemsize=itemsize)
+                for _, _, p, shape in self._eligible}
+
+    def attach(self, world, net, iter_size, compressor, params):
         self.world, self.net, self.compressor = world, net, compressor
-        self.factor_layers = []
-        if world.size > 1 and self.mode != "off":
-            self.factor_layers = self._choose(net, max(1, int(iter_size)), taken)
+        self.factor_layers = [(i, layer, p) for i, layer, p, _ in self._eligible if p in params]
         for _, layer, _ in self.factor_layers:
             layer.set_param_propagate_down(0, False)
         self._factor_at = {i: layer for i, layer, _ in self.factor_layers}
         if self.factor_layers and self._comm is None:
             with world.watch("the factor communicator's set-up"):
                 self._comm = world.comm.Dup()
-        return [p for _, _, p in self.factor_layers]
 
     def detach(self):
         for _, layer, _ in self.factor_layers:
@@ -140,7 +124,7 @@ class SufficientFactors(ReducerPlugin):
             self._comm.Free()
             self._comm = None
 
-    def eligible(self, world, net, iter_size, taken=()):
+    def eligible(self, world, net, iter_size):
         """[(layer index, layer, weight's param index, (M, N, K))] of the
         layers that could use factors, logging why the others cannot."""
         self.world = world
@@ -153,7 +137,7 @@ class SufficientFactors(ReducerPlugin):
         for i, layer in enumerate(net.layers):
             shape = factor_shape(layer)
             weight = param_of.get(id(layer.blobs[0])) if shape is not None else None
-            if weight is None or weight in taken or not net.layer_need_backward[i]:
+            if weight is None or not net.layer_need_backward[i]:
                 continue
             why = None
             if net.xp is not np:
@@ -167,58 +151,6 @@ class SufficientFactors(ReducerPlugin):
                 continue
             out.append((i, layer, weight, shape))
         return out
-
-    def _choose(self, net, iter_size, taken):
-        candidates = self.eligible(self.world, net, iter_size, taken)
-        if not candidates:
-            return []
-        if self.mode == "on":
-            use = [True] * len(candidates)
-            plan = None
-        else:
-            bandwidth, latency, rate = self._calibrate()
-            plan = factor_plan([c[3] for c in candidates], self.world.size, bandwidth, latency, rate)
-            # every rank takes rank 0's choice (its measurements decide)
-            plan = self.world.bcast(plan, 0, "rank 0's choice of sufficient-factor layers")
-            use = [p[0] for p in plan]
-        for k, (i, _, _, (m, n, k_)) in enumerate(candidates):
-            est = "" if plan is None else ", est. %.3g ms against %.3g ms" % (1e3 * plan[k][2], 1e3 * plan[k][1])
-            self._info("Sufficient factors: layer '%s' (%dx%d, %d rows a rank): factors %.3g MB a rank "
-                       "against a %.3g MB gradient%s: %s", net.layer_names[i], n, k_, m,
-                       m * (n + k_) * _ITEM / 2 ** 20, n * k_ * _ITEM / 2 ** 20, est,
-                       "sufficient factors" if use[k] else "allreduce")
-        return [(i, layer, p) for (i, layer, p, _), u in zip(candidates, use) if u]
-
-    def _calibrate(self):
-        """(bytes/s, seconds a message, FLOP/s): the given link_gbps and
-        gemm_gflops, else measured here (allreduces of 8 B and 4 MB, a GEMM)."""
-        w = self.world
-        latency = bandwidth = None
-        if self.link_gbps > 0:
-            bandwidth, latency = self.link_gbps * 1e9 / 8, 0.0
-        else:
-            times = {}
-            for nbytes in (8, 4 << 20):
-                buf = np.zeros(nbytes // 4, np.float32)
-                w.allreduce_sum(buf, "the link's calibration")
-                samples = []
-                for _ in range(3):
-                    w.barrier("the link's calibration")
-                    t = time.perf_counter()
-                    w.allreduce_sum(buf, "the link's calibration")
-                    samples.append(time.perf_counter() - t)
-                times[nbytes] = float(np.median(samples))
-            latency = times[8]
-            span = max(times[4 << 20] - latency, 1e-9)
-            bandwidth = 2.0 * (w.size - 1) / w.size * (4 << 20) / span
-        if self.gemm_gflops > 0:
-            rate = self.gemm_gflops * 1e9
-        else:
-            rate = measure_gemm_rate()
-        self._info("Sufficient factors: link %.3g Gbit/s, %.3g us a message, GEMM %.3g GFLOP/s%s",
-                   bandwidth * 8 / 1e9, latency * 1e6, rate / 1e9,
-                   "" if self.link_gbps > 0 and self.gemm_gflops > 0 else " (measured)")
-        return bandwidth, latency, rate
 
     def _info(self, msg, *args):
         if self.world.rank == 0:

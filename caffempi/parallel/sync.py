@@ -29,6 +29,7 @@ from ..backend import threads
 from ..common import CaffeError, log
 from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB, bucket_segments, make_buckets
 from .collectives import Collectives
+from .costs import measure_costs
 from .transports import make_compressor, make_transport
 
 
@@ -102,28 +103,53 @@ class GradientSync(ABC):
         solver history (a list of flat buffers) the one model the job tests
         and saves."""
 
+    def state(self):
+        """This rank's state that a resumed run needs to go on with the same
+        bits (picklable, arrays as NumPy), or None; snapshots save it."""
+        return None
+
+    def load_state(self, state):
+        """Take a :meth:`state` this rank saved (after :meth:`attach`)."""
+
     def close(self):
         """Release transports and hooks (collective)."""
         self.detach()
 
 
 class ReducerPlugin(ABC):
-    """A part of the gradient that :class:`BucketedAllreduce` does not sum in
-    its buckets, combined by other means (sufficient factors).
+    """A way to combine some learnable params other than the buckets' sum
+    (sufficient factors, low rank).
 
-    The reducer calls, on every rank in the same order: :meth:`attach`
-    (which returns the learnable params the plug-in claims: the buckets
-    leave them out), :meth:`start_iteration`, :meth:`on_layer_backward` after
-    each layer's backward of the pass that combines, :meth:`progress`
-    between layers and kernel chunks, :meth:`finish` after backward, and
-    :meth:`detach` / :meth:`close`."""
+    The reducer calls, on every rank in the same order: :meth:`offer` (what
+    the plug-in could combine, at what cost), then :meth:`attach` with the
+    params its plan gave the plug-in (the buckets leave them out),
+    :meth:`start_iteration`, :meth:`on_layer_backward` after each layer's
+    backward of the pass that combines, :meth:`progress` between layers and
+    kernel chunks, :meth:`finish` after backward, and :meth:`detach` /
+    :meth:`close`."""
+
+    #: the plan's name for this way, in its start-up lines
+    name = "plug-in"
+    #: True where what it applies is not the exact mean: the plan gives it a
+    #: param only where it beats every exact way by more than LOSSY_MARGIN
+    lossy = False
+    #: True: the plan says where it would win (one line naming ``flag``)
+    #: and gives it nothing
+    advise_only = False
+    flag = None
 
     @abstractmethod
-    def attach(self, world, net, iter_size, compressor, taken=()):
-        """Meet the net (collective); returns the indices of the learnable
-        params this plug-in combines, none of ``taken`` (those the plug-ins
-        before it claimed).  ``compressor``: the --comm_dtype
-        :class:`~caffempi.parallel.compression.Compressor`, or None."""
+    def offer(self, world, net, iter_size, costs, compressor):
+        """{learnable param index: estimated seconds a step to combine it
+        this way} (``costs``: :class:`~caffempi.parallel.costs.Costs`;
+        ``compressor``: --comm_dtype's, or None), -inf where the plug-in
+        was told to take every param it can; logs (rank 0) why it cannot
+        take the others."""
+
+    @abstractmethod
+    def attach(self, world, net, iter_size, compressor, params):
+        """Meet the net and combine ``params`` (the plan's share of this
+        plug-in, maybe none; collective)."""
 
     def start_iteration(self):
         """Before the iteration's passes."""
@@ -144,6 +170,13 @@ class ReducerPlugin(ABC):
     def detach(self):
         """Undo :meth:`attach` (the net's layers as they were)."""
 
+    def state(self):
+        """This rank's state for a snapshot (GradientSync.state), or None."""
+        return None
+
+    def load_state(self, state):
+        """Take a :meth:`state` this rank saved."""
+
     def close(self):
         """Release what :meth:`attach` took (collective)."""
 
@@ -158,11 +191,23 @@ class BucketedAllreduce(GradientSync):
     The sums are means: each is started with the scale 1/N, which the
     transport folds into a copy it makes anyway or applies once after the
     sum (as Caffe's NCCL scales after the sum), so backward computes each
-    rank's own gradient, as one process would."""
+    rank's own gradient, as one process would.
+
+    The plan: at attach, each param goes the way the cost model
+    (:mod:`~caffempi.parallel.costs`, rates measured then or given as
+    ``link_gbps``, ``gemm_gflops``) finds cheapest, the buckets unless a
+    plug-in's offer beats them (a lossy plug-in's by more than
+    LOSSY_MARGIN, as what it saves must pay for what it changes); rank 0's
+    plan, one line a param with a choice, is every rank's."""
+
+    #: the share of the best exact way's time a lossy way must save
+    LOSSY_MARGIN = 0.1
 
     def __init__(self, world, comm="overlap", bucket_mb=DEFAULT_BUCKET_MB,
-                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None, comm_dtype="fp32", plugins=()):
+                 first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None, comm_dtype="fp32", plugins=(),
+                 link_gbps=0.0, gemm_gflops=0.0):
         super().__init__(world)
+        self.link_gbps, self.gemm_gflops = float(link_gbps), float(gemm_gflops)
         self.comm = comm
         self.compressor = make_compressor(comm_dtype)
         self.comm_dtype = comm_dtype
@@ -197,10 +242,10 @@ class BucketedAllreduce(GradientSync):
         self._top_layer = len(net.layers) - 1
         if not self.active:
             return
-        claimed = set()
-        for plugin in self.plugins:
-            claimed.update(plugin.attach(self.world, net, self.iter_size, self.compressor, frozenset(claimed)))
-        self._claimed = tuple(sorted(claimed))
+        shares = self._plan(net)
+        for plugin, params in zip(self.plugins, shares):
+            plugin.attach(self.world, net, self.iter_size, self.compressor, params)
+        self._claimed = tuple(sorted(p for params in shares for p in params))
         if self.transport is None:
             with self.world.watch("the gradient transport's set-up"):
                 self.transport = make_transport(self.world, self.comm, net.xp, net.param_diff.nbytes,
@@ -224,6 +269,45 @@ class BucketedAllreduce(GradientSync):
         if self.collectives.is_root:
             log.info("Data parallel over %d ranks (%s): %s", self.world.size, self.transport.name, desc)
 
+    def _plan(self, net):
+        """Each plug-in's params (a list a plug-in), by the cost model;
+        logs the choices on rank 0 (collective)."""
+        if not self.plugins:
+            return []
+        costs = measure_costs(self.world, self.link_gbps, self.gemm_gflops)
+        offers = [plugin.offer(self.world, net, self.iter_size, costs, self.compressor) for plugin in self.plugins]
+        wire = 4 if self.compressor is None else self.compressor.wire_dtype.itemsize
+        shares = [[] for _ in self.plugins]
+        lines, advice = [], {}        # advice: plug-in index -> [(param name, seconds saved)]
+        for p, blob in enumerate(net.learnable_params):
+            ways = [(k, offer[p]) for k, offer in enumerate(offers) if p in offer]
+            if not ways:
+                continue
+            exact = best = costs.allreduce_seconds(blob.count * wire)
+            chosen = None
+            for k, seconds in ways:
+                plugin = self.plugins[k]
+                wins = seconds < (best * (1 - self.LOSSY_MARGIN) if plugin.lossy else best)
+                if wins and plugin.advise_only:
+                    advice.setdefault(k, []).append((net.param_owner_names[p], best - seconds))
+                elif wins:
+                    best, chosen = seconds, k
+            if chosen is not None:
+                shares[chosen].append(p)
+            lines.append("Plan: %s (%s): allreduce %s, %s: %s" % (
+                net.param_owner_names[p], "x".join(map(str, blob.shape)), _ms(exact),
+                ", ".join("%s %s" % (self.plugins[k].name, _ms(s)) for k, s in ways),
+                "allreduce" if chosen is None else self.plugins[chosen].name))
+        shares = self.world.bcast(shares, 0, "rank 0's plan of the gradients")
+        if self.collectives.is_root:
+            for line in lines:
+                log.info(line)
+            for k, saved in advice.items():
+                log.info("Plan: %s would save an estimated %s a step on %s; %s asks for it%s",
+                         self.plugins[k].name, _ms(sum(s for _, s in saved)), ", ".join(n for n, _ in saved),
+                         self.plugins[k].flag, " (lossy)" if self.plugins[k].lossy else "")
+        return shares
+
     def detach(self):
         if self.net is not None and self._hooked:
             self.net.remove_backward_hook(self.on_layer_backward)
@@ -234,6 +318,17 @@ class BucketedAllreduce(GradientSync):
         self.buckets = []
         self._claimed = ()
         self._ready = {}
+
+    def state(self):
+        """The plug-ins' states by name, or None when none has any."""
+        states = {plugin.name: plugin.state() for plugin in self.plugins}
+        states = {name: st for name, st in states.items() if st is not None}
+        return states or None
+
+    def load_state(self, state):
+        for plugin in self.plugins:
+            if plugin.name in state:
+                plugin.load_state(state[plugin.name])
 
     def close(self):
         self.detach()
@@ -307,3 +402,8 @@ class BucketedAllreduce(GradientSync):
         self._handles = []
         self._armed = False
         return time.perf_counter() - t0
+
+
+def _ms(seconds):
+    """An estimate in the plan's lines: milliseconds, or 'forced' (-inf)."""
+    return "forced" if seconds == float("-inf") else "%.3g ms" % (1e3 * seconds)

@@ -129,6 +129,8 @@ class Solver:
         self._losses = []
         self._loss_base = 0
         self._pending_window = None
+        self._pending_sync_state = None    # this rank's gradient-strategy state from restore()
+        self._loaded_blobs = None          # rank 0: every rank's snapshot arrays, in restore()
         self._params_synced = False
         self._snapshot_iter = None       # the iteration of the last snapshot
         self.test_scores = []
@@ -538,6 +540,10 @@ class Solver:
         if not self._params_synced:
             sync.on_start(net)
             self._params_synced = True
+        if self._pending_sync_state is not None:
+            sync.attach(net, iter_size=p.iter_size)     # the state is the attached net's
+            sync.load_state(self._pending_sync_state)
+            self._pending_sync_state = None
         timer = time.time()
         self._iterations_last = self.iter
         self._wait_last = net.data_wait_seconds()
@@ -689,14 +695,27 @@ class Solver:
                          "(earlier snapshots are kept)" % (self.iter, bad))
 
     def _extra_state(self):
-        """Our additions to SolverState (JSON in field caffempi_state)."""
+        """Our additions to SolverState, on rank 0: (JSON for field
+        caffempi_state, the arrays for caffempi_blobs).  Each rank's
+        gradient-strategy state keeps its arrays in the blobs, its JSON
+        naming them ({"blob": index} within the rank's ``sync_blobs``
+        [start, count])."""
         window = {"losses": list(self._losses), "smoothed": self.smoothed_loss, "base": self._loss_base}
+        arrays = []
         mine = {"rng": _rng_state_to_json(common.get_rng_state()),
                 "train_data": self.net.data_state(),
                 "test_data": [tn.data_state() for tn in self.test_nets],
-                "loss_window": window}
-        ranks = self.collectives.gather_object(mine)
-        return {"version": 1, "ranks": ranks, "loss_window": window}
+                "loss_window": window,
+                "sync": _arrays_out(self.sync.state(), arrays)}
+        gathered = self.collectives.gather_object((mine, arrays))
+        if gathered is None:
+            return None, None
+        ranks, blobs = [], []
+        for state, own in gathered:
+            state["sync_blobs"] = [len(blobs), len(own)]
+            ranks.append(state)
+            blobs.extend(own)
+        return {"version": 1, "ranks": ranks, "loss_window": window}, blobs
 
     def snapshot(self):
         """Write <prefix>_iter_<N>.caffemodel (or .caffemodel.h5) and the
@@ -705,7 +724,7 @@ class Solver:
         self.sync.synchronize_model(self.net, self.history)
         self._check_finite_weights()
         self._snapshot_iter = self.iter
-        extra = self._extra_state()
+        extra, blobs = self._extra_state()
         if not self.is_root:
             return None
         if not p.snapshot_prefix:
@@ -715,12 +734,12 @@ class Solver:
                 model = self._snapshot_filename(".caffemodel.h5")
                 self._info("Snapshotting to HDF5 file %s", model)
                 self.net.save_hdf5(model, p.snapshot_diff)
-                self._snapshot_state_hdf5(model, extra)
+                self._snapshot_state_hdf5(model, extra, blobs)
             else:
                 model = self._snapshot_filename(".caffemodel")
                 self._info("Snapshotting to binary proto file %s", model)
                 self.net.save(model, p.snapshot_diff)
-                self._snapshot_state_binary(model, extra)
+                self._snapshot_state_binary(model, extra, blobs)
         except ProtoError as e:
             raise CaffeError(str(e)) from None
         return model
@@ -733,7 +752,7 @@ class Solver:
             for i, (blob, off) in enumerate(zip(net.learnable_params, net.param_offsets)):
                 yield h, i, to_numpy(buf[off:off + blob.count]).reshape(blob.shape)
 
-    def _snapshot_state_binary(self, model, extra):
+    def _snapshot_state_binary(self, model, extra, blobs):
         state = caffe_pb2.SolverState()
         state.iter = self.iter
         state.learned_net = model
@@ -741,11 +760,13 @@ class Solver:
         for _, _, arr in self._history_arrays():
             proto_io.array_to_blob_proto(arr, state.history.add())
         state.caffempi_state = json.dumps(extra).encode("utf-8")
+        for arr in blobs:
+            proto_io.array_to_blob_proto(arr, state.caffempi_blobs.add())
         path = self._snapshot_filename(".solverstate")
         self._info("Snapshotting solver state to binary proto file %s", path)
         proto_io.write_binary_proto_atomic(path, state)
 
-    def _snapshot_state_hdf5(self, model, extra):
+    def _snapshot_state_hdf5(self, model, extra, blobs):
         import h5py
         path = self._snapshot_filename(".solverstate.h5")
         self._info("Snapshotting solver state to HDF5 file %s", path)
@@ -757,6 +778,10 @@ class Solver:
             for k, (_, _, arr) in enumerate(self._history_arrays()):
                 g.create_dataset(str(k), data=arr)
             f.attrs["caffempi_state"] = json.dumps(extra)
+            if blobs:
+                g = f.create_group("caffempi_blobs")
+                for k, arr in enumerate(blobs):
+                    g.create_dataset(str(k), data=arr)
 
     # -------------------------------------------------------------- restore
     def restore(self, path):
@@ -778,7 +803,7 @@ class Solver:
         if not os.path.exists(path):
             raise CaffeError("solver state file %s does not exist" % path)
         if path.endswith(".h5"):
-            it, learned, step, hist, extra = self._read_state_hdf5(path)
+            it, learned, step, hist, extra, blobs = self._read_state_hdf5(path)
         else:
             try:
                 state = proto_io.read_binary_proto(path, caffe_pb2.SolverState)
@@ -788,6 +813,10 @@ class Solver:
             learned = state.learned_net if state.HasField("learned_net") else None
             hist = state.history
             extra = state.caffempi_state.decode("utf-8") if state.HasField("caffempi_state") else None
+            try:
+                blobs = [proto_io.blob_proto_to_array(b) for b in state.caffempi_blobs]
+            except ProtoError as e:
+                raise CaffeError("%s: caffempi_blobs: %s" % (path, e)) from None
         if learned:
             model = self._find_learned_net(learned, path)
             try:
@@ -795,6 +824,7 @@ class Solver:
             except ProtoError as e:
                 raise CaffeError("%s (learned_net of %s)" % (e, path)) from None
         self._restore_history(hist, path)
+        self._loaded_blobs = blobs        # rank 0's, for each rank's part (_restore_extra)
         return int(it), int(step), extra
 
     def _find_learned_net(self, learned, state_path):
@@ -823,7 +853,9 @@ class Solver:
             extra = f.attrs.get("caffempi_state")
             if isinstance(extra, bytes):
                 extra = extra.decode("utf-8")
-            return scalar("iter"), learned, scalar("current_step"), hist, extra
+            g = f.get("caffempi_blobs")
+            blobs = [np.asarray(g[str(k)]) for k in range(len(g))] if g is not None else []
+            return scalar("iter"), learned, scalar("current_step"), hist, extra, blobs
 
     def _restore_history(self, hist, path):
         net = self.net
@@ -861,8 +893,38 @@ class Solver:
             return
         mine = ranks[self.collectives.rank]
         set_window(mine.get("loss_window"))
+        if any(r.get("sync") is not None for r in ranks):
+            parts = None
+            if self.is_root:
+                parts = [self._loaded_blobs[r["sync_blobs"][0]:sum(r["sync_blobs"])] for r in ranks]
+            self._pending_sync_state = _arrays_in(mine.get("sync"), self.collectives.scatter_object(parts))
+        self._loaded_blobs = None
         if mine.get("rng"):
             common.set_rng_state(_rng_state_from_json(mine["rng"]))
         self.net.set_data_state(mine.get("train_data") or {})
         for tn, st in zip(self.test_nets, mine.get("test_data") or []):
             tn.set_data_state(st or {})
+
+
+def _arrays_out(obj, arrays):
+    """``obj`` (dicts, lists, scalars, NumPy arrays) with each array moved to
+    ``arrays`` and replaced by {"blob": its index}: JSON for a snapshot."""
+    if isinstance(obj, np.ndarray):
+        arrays.append(obj)
+        return {"blob": len(arrays) - 1}
+    if isinstance(obj, dict):
+        return {k: _arrays_out(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return [_arrays_out(v, arrays) for v in obj]
+    return obj
+
+
+def _arrays_in(obj, arrays):
+    """The inverse of :func:`_arrays_out`."""
+    if isinstance(obj, dict):
+        if set(obj) == {"blob"}:
+            return arrays[obj["blob"]]
+        return {k: _arrays_in(v, arrays) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_arrays_in(v, arrays) for v in obj]
+    return obj

@@ -27,6 +27,22 @@ over all N*M rows (the layer's own dW product, M rows, is not done during
 backward).  The link is one resource: buckets and gathers cross it one
 after another, in the order backward makes them ready.
 
+Low rank (--compress=powersgd[:RANK], PowerSGD): a weight on low rank
+(rows x cols, rank r) sends no gradient in the buckets; after its layer's
+backward the rank forms M' = M + E and P = M'Q (the hook's work, which
+delays the rest of backward), then P's sum (r rows numbers) crosses the
+link; once it is in, the orthonormalisation and Q = M'^T P take the
+computing thread (between backward's kernels, one Q after another) and
+Q's sum (r cols numbers) crosses; after backward, once every sum is in,
+P Q^T and the error's update.  Each sum is an allreduce with its latency
+on the same link as the buckets and gathers.  The rank's work is the
+reducer's estimate (powersgd.lowrank_seconds at the GEMM and memory rates)
+split by when it is done (lowrank_stages).  Which weights go which way is
+the reducer's plan (plan: BucketedAllreduce._plan's rule over the
+plug-ins' own estimates, a lossy way only where it saves more than
+LOSSY_MARGIN): a 2-host run's own plan lines, and the plan per host count
+in the host table.
+
 Emulated links (caffempi.testing.cluster) shape traffic with tc's token
 bucket: after an idle spell its ``burst`` bytes leave at once, then the
 rate (link_intervals).  A factor layer's weight gradient at a few rows is
@@ -45,8 +61,10 @@ included, and costs nothing while the computing thread only waits.
     # for 16 and 64 hosts on 10GbE and 100Gb InfiniBand
     sudo python tools/scaling_model.py --cluster_bench cluster.json --calibrate_links
 """
+import heapq
 import json
 import os
+import re
 import subprocess
 import sys
 import tempfile
@@ -111,18 +129,24 @@ def gather_time(nbytes, n, alpha, beta):
     return (n - 1) * alpha + (n - 1) * nbytes * beta if n > 1 else 0.0
 
 
-def link_intervals(items, beta, burst=0.0, idle_before=0.0):
+def link_intervals(items, beta, burst=0.0, idle_before=0.0, then=None):
     """Run ``items`` (ready time, latency seconds, bytes a rank sends, is a
-    factor gather) through one link, one after another in ready order;
+    factor gather[, tag]) through one link, one after another in ready order;
     yields (the time the link takes it up, the time it ends, item) in the
     order they cross.  ``burst``: the link's token bucket in bytes (tc's tbf
     ``burst``; 0 for a plain link): after an idle spell it sends up to
     ``burst`` bytes at once, refilled at the link rate while idle
-    (``idle_before``: seconds idle before time 0)."""
+    (``idle_before``: seconds idle before time 0).  ``then(item, end)``:
+    the items that an item's end makes (a low-rank Q sum after its P sum),
+    queued by their ready time."""
     link_end = 0.0
     tokens = min(burst, idle_before / beta) if burst else 0.0
-    for item in sorted(items):
-        ready, latency, nbytes, _ = item
+    queue = [(item[0], k, item) for k, item in enumerate(sorted(items, key=lambda item: item[:4]))]
+    heapq.heapify(queue)
+    count = len(queue)
+    while queue:
+        _, _, item = heapq.heappop(queue)
+        ready, latency, nbytes = item[:3]
         start = max(link_end, ready)
         if burst:
             tokens = min(burst, tokens + (start - link_end) / beta)
@@ -130,19 +154,65 @@ def link_intervals(items, beta, burst=0.0, idle_before=0.0):
         tokens -= free
         link_end = start + latency + (nbytes - free) * beta
         yield start, link_end, item
+        for new in then(item, link_end) if then else ():
+            heapq.heappush(queue, (new[0], count, new))
+            count += 1
+
+
+def lowrank_stages(rows, cols, rank, gemm_rate, memory_rate, itemsize=4):
+    """A low-rank matrix's work on the rank, (at its layer's backward hook,
+    when its P sum is in, after backward) in seconds: M' = M + E and P = M'Q
+    at the hook; the orthonormalisation and Q = M'^T P when P's sum is in;
+    P Q^T and the error's update in ``finish``.  Their total is
+    parallel.powersgd.lowrank_seconds less its sums, the reducer's estimate
+    (the last stage takes what the first two leave of it)."""
+    from ..parallel.costs import Costs
+    from ..parallel.powersgd import lowrank_seconds
+    own = Costs(2, float("inf"), 0.0, gemm_rate, memory_rate)        # no link: the rank's own work
+    r = min(rank, rows, cols)
+    total = lowrank_seconds(own, rows, cols, rank, itemsize)
+    # three touches of M and E for M' = M + E, a read of M' by the product
+    hook = own.gemm_seconds(2.0 * rows * cols * r) + own.pass_seconds(16.0 * rows * cols)
+    q = own.gemm_seconds(2.0 * rows * cols * r + 4.0 * rows * r * r) + own.pass_seconds(4.0 * rows * cols)
+    return hook, q, max(0.0, total - hook - q)
+
+
+def _advance(start, work, busy):
+    """When ``work`` seconds of the computing thread's own work, begun at
+    ``start``, end while ``busy`` ((start, end) spans in time order, not
+    overlapping: the low-rank Q products, done as their P sums come in,
+    between backward's kernels) take the thread from it."""
+    t = start
+    for s, e in busy:
+        if e <= t:
+            continue
+        if s >= t + work:
+            break
+        work -= max(0.0, s - t)
+        t = e
+    return t + work
 
 
 def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket_mb=1.0, jitter=0.0,
             factors=(), gemm_rate=100e9, bytes_per_value=4, burst=0.0, weight_grad_seconds=None,
-            comm_cpu_seconds_per_byte=0.0, sum_link=None):
+            comm_cpu_seconds_per_byte=0.0, sum_link=None, lowrank=(), memory_rate=10e9):
     """Step seconds and exposed seconds for n ranks from one rank's
     ``profile`` (forward_ms; layers with backward_ms and params; step_ms,
     the whole measured step, preferred since it also holds zeroing the
     diffs, else compute_ms: forward, backward and update only); ``jitter``
     is the per-rank independent step-time sigma in seconds (the straggler term);
     ``factors``: the indices of the layers using sufficient factors (their
-    layer records carry ``factors``: (M, N, K)); ``bytes_per_value``: 2 for
-    --comm_dtype=fp16 (factors and, unless ``sum_link`` is given, buckets);
+    layer records carry ``factors``: (M, N, K)); ``lowrank``: the weights
+    on low rank, (layer index, rows, cols, rank) each (PowerSGD: its work
+    on the rank at ``gemm_rate`` and ``memory_rate``, lowrank_stages; its P
+    sum, r rows numbers, starts after its layer's backward and P product;
+    its Q sum, r cols numbers, after P's is in and the Q product, which
+    takes the computing thread meanwhile, one Q after another; both cross
+    the link as the buckets and gathers do, an allreduce's latency each;
+    P Q^T and the error's update after backward, once every sum is in);
+    ``bytes_per_value``: 2 for
+    --comm_dtype=fp16 (factors and, unless ``sum_link`` is given, buckets
+    and low-rank sums);
     ``burst``: the link's token bucket (link_intervals);
     ``weight_grad_seconds(rows, M, N, accumulate)``: the measured time of a
     factor layer's weight gradient (sfb.measure_weight_grad_seconds), else
@@ -166,6 +236,14 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
     other = max(0.0, profile.get("step_ms", profile["compute_ms"]) / 1e3 - fwd - bwd)
     if n <= 1:
         return fwd + bwd + other, 0.0
+    # the low-rank matrices in the order their sums start (backward's, then the layer's params)
+    mats, hooks, taken = [], {}, {}
+    for k, (i, rows, cols, rank) in sorted(enumerate(lowrank), key=lambda e: (-e[1][0], e[0])):
+        r = min(rank, rows, cols)
+        hook, q_work, final = lowrank_stages(rows, cols, rank, gemm_rate, memory_rate, bytes_per_value)
+        mats.append({"layer": i, "p": r * rows * 4, "q": r * cols * 4, "q_work": q_work, "final": final})
+        hooks[i] = hooks.get(i, 0.0) + hook
+        taken[i] = taken.get(i, 0) + rows * cols
     layers, gathers, gemm = [], [], 0.0
     for L in profile["layers"]:
         if L["index"] in factors:
@@ -174,48 +252,76 @@ def predict(profile, n, alpha, beta, mode="overlap", bucket_mb=4.0, first_bucket
             L = dict(L, params=L["params"] - nn * k, backward_ms=max(0.0, L["backward_ms"] - 1e3 * saved))
             gathers.append((L["index"], m * (nn + k) * bytes_per_value))
             gemm += weight_grad_seconds(n * m, nn, k, False)
+        if L["index"] in hooks:
+            # out of the buckets; the P products at its backward hook
+            L = dict(L, params=L["params"] - taken[L["index"]],
+                     backward_ms=L["backward_ms"] + 1e3 * hooks[L["index"]])
         layers.append(L)
     bwd = sum(L["backward_ms"] for L in layers) / 1e3
     # the link's bytes (or their time's equivalent) per float32 byte of gradient
     sum_alpha, scale = (alpha, bytes_per_value / 4.0) if sum_link is None else (sum_link[0], sum_link[1] / beta)
 
-    def ring(ready, nbytes):
-        return (ready, 2 * (n - 1) * sum_alpha, 2.0 * (n - 1) / n * nbytes * scale, False)
+    def ring(ready, nbytes, tag=None):
+        return (ready, 2 * (n - 1) * sum_alpha, 2.0 * (n - 1) / n * nbytes * scale, False, tag)
 
     def gather(ready, nbytes):
-        return (ready, (n - 1) * alpha, (n - 1) * nbytes, True)
+        return (ready, (n - 1) * alpha, (n - 1) * nbytes, True, None)
 
+    # ready times in the computing thread's own work since backward began
+    ready_at, t = {}, 0.0
+    for L in sorted(layers, key=lambda L: -L["index"]):
+        t += L["backward_ms"] / 1e3
+        ready_at[L["index"]] = t
     if mode == "blocking":
         # the gathers, then one allreduce of everything, after backward
         items = [gather(bwd, b) for _, b in gathers]
         items.append(ring(bwd + 1e-12, sum(L["params"] for L in layers) * 4))
     else:
         # the link's work in the order backward makes it ready
-        ready_at, t = {}, 0.0
-        for L in sorted(layers, key=lambda L: -L["index"]):
-            t += L["backward_ms"] / 1e3
-            ready_at[L["index"]] = t
         items = [ring(ready, nb) for ready, nb in buckets_from_layers(layers, bucket_mb, first_bucket_mb)]
         items += [gather(ready_at[i], b) for i, b in gathers]
+    # the P sums start at their layer's hook (the plug-in hooks backward whatever the transport)
+    items += [ring(ready_at[m["layer"]], m["p"], ("p", k)) for k, m in enumerate(mats)]
     # The transport's cost a byte was measured on a long sum: as a share of
     # the time the transport works on a sum (its latency included), it lands
     # on the computing thread while that computes, backward and the factor
     # GEMM after it, and stretches them (a fixed point: a longer backward
     # overlaps more of the link's work).  After them the thread only waits.
+    # The Q products take the thread too (busy), as P sums come in: another
+    # fixed point, as they move what backward makes ready after them.
     share = 0.0 if mode == "blocking" else comm_cpu_seconds_per_byte / (2.0 * (n - 1) / n * scale * beta)
-    base_bwd, base_gemm, base_items, stretch = bwd, gemm, items, 1.0
-    for _ in range(8 if share else 1):
-        bwd = stretch * base_bwd
-        items = [(stretch * ready, latency, nbytes, is_gather) for ready, latency, nbytes, is_gather in base_items]
-        crossing = list(link_intervals(items, beta, burst, idle_before=fwd + other))
+    base_bwd, base_gemm, base_items, stretch, busy = bwd, gemm, items, 1.0, []
+    for it in range(20 if mats else 8 if share else 1):
+        bwd = _advance(0.0, stretch * base_bwd, busy)
+        items = [(_advance(0.0, stretch * item[0], busy),) + item[1:] for item in base_items]
+        q_free, q_busy = 0.0, []
+
+        def then(item, end):
+            nonlocal q_free
+            if item[4] is None or item[4][0] != "p":
+                return ()
+            m = mats[item[4][1]]
+            start = max(end, q_free)          # in start order, one after another
+            q_free = start + m["q_work"]
+            q_busy.append((start, q_free))
+            return [ring(q_free, m["q"], ("q", item[4][1]))]
+        crossing = list(link_intervals(items, beta, burst, idle_before=fwd + other, then=then))
         link_end = crossing[-1][1] if crossing else 0.0
         gathers_end = max([end for _, end, item in crossing if item[3]], default=0.0)
+        lowrank_end = max([end for _, end, item in crossing if item[4] is not None], default=0.0)
         sums = [(start, end) for start, end, item in crossing if not item[3]]
         g0, gemm = max(bwd, gathers_end), base_gemm
         for _ in range(4 if share and gathers else 0):
             gemm = base_gemm + share * _busy(sums, g0, g0 + gemm)
-        stretch = 1.0 + share * _busy(sums, 0.0, bwd) / max(base_bwd, 1e-12)
-    finish = max(bwd, gathers_end) + gemm if gathers else bwd
+        new_stretch = 1.0 + share * _busy(sums, 0.0, bwd) / max(base_bwd, 1e-12)
+        settled = (not share or it >= 7) and abs(new_stretch - stretch) < 1e-12 and q_busy == busy
+        stretch, busy = new_stretch, q_busy
+        if mats and settled:
+            break
+    finish = _advance(g0, gemm, busy) if gathers else bwd
+    if mats:
+        # LowRank.finish after the factors': every sum in, then P Q^T and the errors
+        finish = _advance(max(finish, lowrank_end), sum(m["final"] for m in mats), busy)
     exposed = max(0.0, max(finish, link_end) - bwd) + jitter * expected_max_normal(n)
     return fwd + bwd + other + exposed, exposed
 
@@ -279,6 +385,9 @@ def _allreduce_worker(arg):
 # --comm_dtype) whose work takes time from the computing thread
 COMM_COST_MODES = {"overlap": ("overlap", "fp32"), "fp16_polled": ("overlap", "fp16"),
                    "default": ("thread", "fp32"), "fp16": ("thread", "fp16")}
+# modes whose buckets take another mode's transport: its cost (low rank's
+# sums go through transports of their own, a communication thread as well)
+COMM_COST_SAME = {"powersgd": "default", "powersgd_fp16": "fp16"}
 # paired timings (alone, with a sum) a mode's cost is the median of: fewer
 # spread too much to tell one rate's cost from another's (docs/design/parallel.md,
 # "The scaling model")
@@ -458,71 +567,237 @@ def mean_profile(runs):
     return prof
 
 
+def plan_costs(n, alpha, beta, gemm_rate, memory_rate):
+    """The parallel.costs.Costs the reducer plans with on n ranks of this
+    link, as it measures them (costs.measure_link): the bandwidth, and an
+    8-byte sum's time as the latency a message."""
+    from ..parallel.costs import Costs
+    return Costs(n, 1.0 / beta, ring_time(8, n, alpha, beta), gemm_rate, memory_rate)
+
+
+def layer_weights(L):
+    """[(rows, cols)] of a layer record's learnable params of two or more
+    axes (``weights``), or, without them, a factor layer's weight (N, K)."""
+    if L.get("weights") is not None:
+        return [tuple(w) for w in L["weights"]]
+    return [tuple(L["factors"][1:])] if L.get("factors") and L["params"] else []
+
+
+def plan(profile, n, alpha, beta, gemm_rate, memory_rate=10e9, sfb="auto", compress="none", bytes_per_value=4):
+    """(factor layer indices, low-rank matrices [(layer index, rows, cols,
+    rank)]) that the reducer's plan takes on n ranks of this link:
+    BucketedAllreduce._plan's rule over config.make_plugins' plug-ins
+    (sufficient factors unless ``sfb`` is off, then low rank, which only
+    advises under --compress=none): each weight the cheapest way by the
+    plug-ins' own estimates (sfb.factor_seconds, powersgd.lowrank_seconds)
+    against the allreduce (Costs.allreduce_seconds), a lossy way only
+    where it beats the best exact way by more than LOSSY_MARGIN."""
+    from ..parallel.powersgd import LowRank, lowrank_seconds, parse_compress
+    from ..parallel.sfb import SufficientFactors, factor_seconds
+    from ..parallel.sync import BucketedAllreduce
+    costs = plan_costs(n, alpha, beta, gemm_rate, memory_rate)
+    mode, rank = parse_compress(compress)
+    factors, matrices = set(), []
+    for L in sorted(profile["layers"], key=lambda L: L["index"]):
+        for w, (rows, cols) in enumerate(layer_weights(L)):
+            ways = []
+            if w == 0 and sfb != "off" and L.get("factors") and L["params"]:
+                ways.append((SufficientFactors, "factors", float("-inf") if sfb == "on" else
+                             factor_seconds(costs, *L["factors"], itemsize=bytes_per_value)))
+            if mode == "powersgd":
+                ways.append((LowRank, "low rank", lowrank_seconds(costs, rows, cols, rank, bytes_per_value)))
+            best, chosen = costs.allreduce_seconds(rows * cols * bytes_per_value), None
+            for plugin, way, seconds in ways:
+                if seconds < (best * (1 - BucketedAllreduce.LOSSY_MARGIN) if plugin.lossy else best):
+                    best, chosen = seconds, way
+            if chosen == "factors":
+                factors.add(L["index"])
+            elif chosen == "low rank":
+                matrices.append((L["index"], rows, cols, rank))
+    return factors, matrices
+
+
 def factor_choice(profile, n, alpha, beta, gemm_rate):
-    """The layers --sfb=auto would take (the same rule: parallel.sfb.factor_plan)."""
-    from ..parallel.sfb import factor_plan
-    cands = [L for L in profile["layers"] if L.get("factors") and L["params"]]
-    plan = factor_plan([tuple(L["factors"]) for L in cands], n, 1.0 / beta, alpha, gemm_rate)
-    return {L["index"] for L, p in zip(cands, plan) if p[0]}
+    """The layers --sfb=auto would take (plan, without low rank)."""
+    return plan(profile, n, alpha, beta, gemm_rate)[0]
+
+
+# the reducer's plan lines (benchmarks/cluster.py keeps them as a record's "choices")
+PLAN_LINE = re.compile(r"Plan: (.+)\[(\d+)\] \((\d+(?:x\d+)*)\): .*: (allreduce|sufficient factors|low rank)$")
+
+
+def plan_lines(choices):
+    """[(layer name, (rows, cols), way)] of the reducer's plan lines, a
+    line a weight of two or more axes (every run with the reducer's
+    plug-ins logs them: low rank always offers, if only to advise)."""
+    out = []
+    for line in choices or ():
+        m = PLAN_LINE.search(line.strip())
+        if m:
+            shape = [int(d) for d in m.group(3).split("x")]
+            out.append((m.group(1), (shape[0], int(np.prod(shape[1:]))), m.group(4)))
+    return out
+
+
+def with_weights(profile, weights):
+    """``profile`` with each layer's ``weights`` from {layer name: [(rows,
+    cols)]} (a net without an entry keeps what it had)."""
+    if not weights:
+        return profile
+    return dict(profile, layers=[dict(L, weights=[list(w) for w in weights.get(L["name"], [])])
+                                 for L in profile["layers"]])
+
+
+def bench_net_weights(name):
+    """{layer name: [(rows, cols)]}: the learnable params of two or more
+    axes (rows the first axis, as LowRank takes them) of benchmarks/
+    scaling.py's net ``name``, built here at one image."""
+    from ..net import Net
+    from ..proto import caffe_pb2
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmarks"))
+    try:
+        import scaling
+    finally:
+        sys.path.pop(0)
+    param = scaling.load_net_param(name)
+    for lp in param.layer:
+        if lp.type == "Input":
+            for shape in lp.input_param.shape:
+                if len(shape.dim):
+                    shape.dim[0] = 1
+    net = Net(param, caffe_pb2.TRAIN)
+    out = {}
+    for blob, li in zip(net.learnable_params, net.param_layer_index):
+        if len(blob.shape) >= 2:
+            out.setdefault(net.layer_names[li], []).append((blob.shape[0], blob.count // blob.shape[0]))
+    return out
+
+
+def _plan_summary(profile, factors, matrices):
+    """One line: the layers on factors and on low rank, and the share of
+    the weights low rank takes."""
+    names = {L["index"]: L["name"] for L in profile["layers"]}
+    total = sum(L["params"] for L in profile["layers"])
+    low = sorted({i for i, _, _, _ in matrices}, key=lambda i: i)
+
+    def listed(indices):
+        indices = sorted(indices)
+        if len(indices) <= 8:
+            return ", ".join(names[i] for i in indices) or "none"
+        return "%d layers (%s ... %s)" % (len(indices), names[indices[0]], names[indices[-1]])
+    return "factors: %s; low rank: %s (%.0f%% of the values)" % (
+        listed(factors), listed(low), 100.0 * sum(r * c for _, r, c, _ in matrices) / max(total, 1))
+
+
+def _record_compress(mode):
+    """--compress and the wire's bytes a value of a benchmarks/cluster.py mode."""
+    return ("powersgd" if "powersgd" in mode else "none"), (2 if "fp16" in mode else 4)
 
 
 def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.0, comm_costs=None,
-                   fp16_links=None, hosts=(16, 64)):
+                   fp16_links=None, hosts=(16, 64), memory_rate=10e9, weights=None, compress="powersgd"):
     """Predicted against measured 2-host figures (benchmarks/cluster.py
     --json), then each net's predicted efficiency on more hosts.  Each 2-host
     prediction: the independent pair's per-layer profile of the same run, the
     link's alpha, beta and token bucket (``burst``), the float16 transport's
     sums (``fp16_links``: rate -> (alpha, beta per float32 byte), calibrate),
-    the factor layers' measured weight-gradient times, the transports' cost
-    to the computing thread (``comm_costs``: rate -> {mode: s per byte},
-    measure_comm_cost), and the straggler term with sigma from the skew of
-    the *other* 2-host runs of the same net (so no run's own wait predicts
-    it)."""
+    the run's own plan (its plan lines: the weights on factors and on low
+    rank), the factor layers' measured weight-gradient times, the
+    transports' cost to the computing thread (``comm_costs``: rate ->
+    {mode: s per byte}, measure_comm_cost), and the straggler term with
+    sigma from the skew of the *other* 2-host runs of the same net (so no
+    run's own wait predicts it).  The host table: --sfb off/auto by
+    --compress none/``compress``, the reducer's plan per host count
+    (``weights``: {net: {layer name: [(rows, cols)]}} of the weights low
+    rank could take, else the runs' plan lines say them; ``memory_rate``:
+    bytes/s of a pass, for low rank's)."""
+    from ..parallel.powersgd import parse_compress
     lines = ["2 emulated hosts: predicted from the independent pair's profile (run alongside), against "
-             "the measurement (GEMM %.0f GFLOP/s)" % (gemm_rate / 1e9),
-             "%-14s %-7s %-9s %10s %10s %8s %9s %9s" % ("net", "rate", "mode", "pred. ms", "meas. ms", "error",
-                                                     "pred. eff", "meas. eff")]
-    profiles, within = {}, []
+             "the measurement (GEMM %.0f GFLOP/s, memory %.1f GB/s)" % (gemm_rate / 1e9, memory_rate / 1e9),
+             "%-14s %-7s %-13s %10s %10s %8s %9s %9s  %s" % ("net", "rate", "mode", "pred. ms", "meas. ms", "error",
+                                                          "pred. eff", "meas. eff", "plan")]
+    profiles, within, seen = {}, [], {}
     measured = [r for r in records if r.get("runs")]
     for r in records:
-        profile = mean_profile(r["pair_runs"])
+        for name, shape, _ in plan_lines(r.get("choices")):
+            seen.setdefault(r["net"], {}).setdefault(name, [])
+            if shape not in seen[r["net"]][name]:
+                seen[r["net"]][name].append(shape)
+    weights = dict(seen, **(weights or {}))
+    for r in records:
+        profile = with_weights(mean_profile(r["pair_runs"]), weights.get(r["net"]))
         profiles[r["net"]] = profile
         if not r.get("runs"):
             continue
         alpha, beta = links[r["rate"]]
-        used = {L["index"] for L in r["runs"][0]["layers"] if L.get("factors_used")}
         others = [np.mean([x["skew_ms"] for x in o["runs"]]) for o in measured
                   if o["net"] == r["net"] and o is not r]
         jitter = jitter_from_skew(float(np.mean(others))) / 1e3 if others else 0.0
-        fp16 = r["mode"].startswith("fp16")
-        step = predict(profile, 2, alpha, beta, "blocking" if r["mode"] == "blocking" else "overlap",
-                       jitter=jitter, factors=used, gemm_rate=gemm_rate, bytes_per_value=2 if fp16 else 4,
-                       burst=burst, weight_grad_seconds=weight_grad_seconds,
-                       comm_cpu_seconds_per_byte=(comm_costs or {}).get(r["rate"], {}).get(r["mode"], 0.0),
-                       sum_link=(fp16_links or {}).get(r["rate"]) if fp16 else None)[0]
+        mode_compress, wire = _record_compress(r["mode"])
+        rank = parse_compress(mode_compress)[1]
+        index = {L["name"]: L["index"] for L in profile["layers"]}
+        taken = [(index[name], shape, way) for name, shape, way in plan_lines(r.get("choices")) if name in index]
+        used = {L["index"] for L in r["runs"][0]["layers"] if L.get("factors_used")}
+        used |= {i for i, _, way in taken if way == "sufficient factors"}
+        # the run's low-rank layers (its layer records' rank, its plan lines' shapes)
+        ranks = {L["index"]: L["low_rank"] for L in r["runs"][0]["layers"] if L.get("low_rank")}
+        shapes = {i: shape for i, shape, way in taken if way == "low rank"}
+        for L in profile["layers"]:
+            if L["index"] in ranks and L["index"] not in shapes and layer_weights(L):
+                shapes[L["index"]] = layer_weights(L)[0]
+        lowrank = [(i, rows, cols, ranks.get(i, rank)) for i, (rows, cols) in sorted(shapes.items())]
+        if not taken and not ranks and mode_compress != "none":
+            # no plan lines: the plan's rule at this link
+            used, lowrank = plan(profile, 2, alpha, beta, gemm_rate, memory_rate, "auto", mode_compress, wire)
+        fp16 = wire == 2
+        cost = (comm_costs or {}).get(r["rate"], {}).get(COMM_COST_SAME.get(r["mode"], r["mode"]), 0.0)
+        if r["mode"] == "barrier":
+            # a barrier after backward, no gradients: free communication, the straggler term only
+            step = predict(profile, 2, 0.0, 1e-18, jitter=jitter)[0]
+            used, lowrank = set(), []
+        else:
+            step = predict(profile, 2, alpha, beta, "blocking" if r["mode"] == "blocking" else "overlap",
+                           jitter=jitter, factors=used, gemm_rate=gemm_rate, bytes_per_value=wire,
+                           burst=burst, weight_grad_seconds=weight_grad_seconds, comm_cpu_seconds_per_byte=cost,
+                           sum_link=(fp16_links or {}).get(r["rate"]) if fp16 else None, lowrank=lowrank,
+                           memory_rate=memory_rate)[0]
         meas = r["step_ms"] / 1e3
         within.append(abs(step - meas) <= 0.1 * meas)
-        lines.append("%-14s %-7s %-9s %10.1f %10.1f %+7.1f%% %9.3f %9.3f" % (
+        lines.append("%-14s %-7s %-13s %10.1f %10.1f %+7.1f%% %9.3f %9.3f  %s" % (
             r["net"], r["rate"], r["mode"], 1e3 * step, 1e3 * meas, 100 * (step - meas) / meas,
-            single_step(profile) / step, r["efficiency"]))
+            single_step(profile) / step, r["efficiency"],
+            "factors %d, low rank %d" % (len(used), len(lowrank))))
     lines.append("%d of %d predictions within 10%%" % (sum(within), len(within)))
+    cols = "".join("%9s" % ("%d hosts" % h) for h in hosts) + ("%12s" % "speedup@16" if 16 in hosts else "")
     lines += ["", "Predicted efficiency on more hosts, one rank a host, the per-rank batch of the runs above "
-              "(--sfb=auto's choice per host count; straggler sigma from the net's 2-host runs' skew):",
-              "%-14s %-9s %-9s" % ("net", "network", "sfb") + "".join("%9s" % ("%d hosts" % h) for h in hosts)]
+              "(the reducer's plan per host count: --sfb=auto's factors, --compress=%s's low rank; straggler "
+              "sigma from the net's 2-host runs' skew):" % compress,
+              "%-14s %-9s %-5s %-13s" % ("net", "network", "sfb", "compress") + cols]
+    plans = []
     for name, profile in profiles.items():
         skews = [np.mean([x["skew_ms"] for x in o["runs"]]) for o in measured if o["net"] == name]
         jitter = jitter_from_skew(float(np.mean(skews))) / 1e3 if skews else 0.0
+        if not any(L.get("weights") for L in profile["layers"]):
+            lines.append("%-14s (no weight shapes: low rank not modelled)" % name)
         for pname in ("10GbE", "100Gb-IB"):
             alpha, beta = PRESETS[pname]
             for sfb in ("off", "auto"):
-                effs = []
-                for h in hosts:
-                    used = factor_choice(profile, h, alpha, beta, gemm_rate) if sfb == "auto" else set()
-                    effs.append(single_step(profile) / predict(profile, h, alpha, beta, "overlap", jitter=jitter,
-                                                               factors=used, gemm_rate=gemm_rate,
-                                                               weight_grad_seconds=weight_grad_seconds)[0])
-                lines.append("%-14s %-9s %-9s" % (name, pname, sfb) + "".join("%9.3f" % e for e in effs))
-    lines += ["(%s: %.2f of linear on 16 machines)" % (POSEIDON, 15.5 / 16)]
+                for comp in ("none", compress):
+                    effs = []
+                    for h in hosts:
+                        used, lowrank = plan(profile, h, alpha, beta, gemm_rate, memory_rate, sfb, comp)
+                        effs.append(single_step(profile) / predict(
+                            profile, h, alpha, beta, "overlap", jitter=jitter, factors=used, gemm_rate=gemm_rate,
+                            weight_grad_seconds=weight_grad_seconds, lowrank=lowrank,
+                            memory_rate=memory_rate)[0])
+                        if sfb == "auto" and comp != "none":
+                            plans.append("%-14s %-9s %3d hosts: %s" % (name, pname, h,
+                                                                      _plan_summary(profile, used, lowrank)))
+                    lines.append("%-14s %-9s %-5s %-13s" % (name, pname, sfb, comp)
+                                 + "".join("%9.3f" % e for e in effs)
+                                 + ("%11.1fx" % (16 * effs[list(hosts).index(16)]) if 16 in hosts else ""))
+    lines += ["(%s: %.2f of linear on 16 machines)" % (POSEIDON, 15.5 / 16), "",
+              "The plan of the sfb=auto, compress=%s rows:" % compress] + plans
     return "\n".join(lines)
 
 
@@ -580,6 +855,9 @@ FLAGS.define("comm_cost", [], "with --cluster_bench: the transports' costs measu
              "--calibrate_links), RATE:MODE=NS,MODE=NS,... (ns of compute lost per byte of gradient summed "
              "while backward computes)")
 FLAGS.define("gemm_gflops", 0.0, "the GEMM rate (0: measured here, 1 thread)")
+FLAGS.define("memory_gbps", 0.0, "with --cluster_bench: the memory rate of a pass over an array, GB/s, for "
+             "low rank's passes (0: measured here, as the reducer's plan measures it)")
+FLAGS.define("compress", "powersgd", "with --cluster_bench: the host table's low-rank rows, powersgd[:RANK]")
 
 
 def _numbers(flag, given, fields):
@@ -639,8 +917,20 @@ def _main(a):
                 "".join("; %s costs the computing thread %.2f ns a byte" % (mode, 1e9 * cost)
                         for mode, cost in sorted(comm_costs.get(rate, {}).items()))))
         rate = a.gemm_gflops * 1e9 if a.gemm_gflops else measure_gemm_rate()
+        from ..parallel.costs import measure_memory_rate
+        from ..parallel.powersgd import parse_compress
+        parse_compress(a.compress)
+        memory = a.memory_gbps * 1e9 if a.memory_gbps else one_thread(measure_memory_rate)
+        weights = {}
+        for net in sorted({r["net"] for r in records}):
+            try:
+                weights[net] = bench_net_weights(net)
+            except Exception as e:          # not a benchmarks/scaling.py net here: the runs' plan lines
+                why = (str(e).splitlines() or [type(e).__name__])[0]
+                print("%s: no net to read the weights' shapes from here (%s)" % (net, why))
         print(cluster_report(records, links, rate, weight_grad_timer(), burst=Cluster.burst_bytes,
-                             comm_costs=comm_costs, fp16_links=fp16_links))
+                             comm_costs=comm_costs, fp16_links=fp16_links, memory_rate=memory, weights=weights,
+                             compress=a.compress))
         return 0
     shm = None
     if a.calibrate:

@@ -86,13 +86,13 @@ def test_cli_single_process_without_mpi(tmp_path):
     assert "Optimization Done" in p.stderr
 
 
-def _signal_training_job(tmp_path, solver, sig, after):
-    """Start `mpiexec -n 2 ... train --solver=solver`, send ``sig`` to mpiexec
-    once the log shows ``after``; returns (exit status, the whole log)."""
+def _signal_training_job(tmp_path, solver, sig, after, flags=()):
+    """Start `mpiexec -n 2 ... train --solver=solver flags`, send ``sig`` to
+    mpiexec once the log shows ``after``; returns (exit status, the whole log)."""
     import subprocess
     from .mpirun import env, mpiexec_path
-    p = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable] + CLI + ["train", "--solver=%s" % solver],
-                         env=env(), stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
+    p = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable] + CLI + ["train", "--solver=%s" % solver]
+                         + list(flags), env=env(), stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
     lines = []
     try:
         t = time.time()
@@ -122,21 +122,28 @@ def test_cli_sigint_to_mpiexec_snapshots_once_and_stops(tmp_path):
     assert len(snaps) == 1, out
 
 
+#: --compress on a 1 Mbit/s link as the plan sees it: every weight low rank
+LOW_RANK_FLAGS = ["--compress=powersgd:2", "--link_gbps=0.001", "--gemm_gflops=50"]
+
+
 @needs_mpi
 @needs_cli
-def test_sigterm_to_mpiexec_leaves_one_snapshot_that_resumes_bitwise(tmp_path):
+@pytest.mark.parametrize("flags", [[], LOW_RANK_FLAGS], ids=["exact", "powersgd"])
+def test_sigterm_to_mpiexec_leaves_one_snapshot_that_resumes_bitwise(tmp_path, flags):
     """What a scheduler does before killing a job: SIGTERM to mpiexec.  The
     ranks agree, write one snapshot after the current iteration and exit 0;
     resuming from it reaches the same weights, to the bit, as a run that was
-    never stopped."""
+    never stopped (with --compress too: the snapshot has each rank's Q and
+    error)."""
     import re
     import signal
     from .test_solver_mpi import caffemodel_weights
     s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="term")
     s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
-    rc, out = _signal_training_job(tmp_path, s, signal.SIGTERM, "Iteration 6 (")
+    rc, out = _signal_training_job(tmp_path, s, signal.SIGTERM, "Iteration 6 (", flags)
     assert rc == 0, out
     assert "Optimization stopped early" in out
+    assert out.count(": low rank\n") == (3 if flags else 0), out
     models = list(tmp_path.glob("term_iter_*.caffemodel"))
     states = list(tmp_path.glob("term_iter_*.solverstate"))
     assert len(models) == 1 and len(states) == 1, out
@@ -147,7 +154,7 @@ def test_sigterm_to_mpiexec_leaves_one_snapshot_that_resumes_bitwise(tmp_path):
         text = s.read_text().replace(str(tmp_path / "term"), str(tmp_path / prefix))
         solver = tmp_path / ("solver_%s.prototxt" % prefix)
         solver.write_text(text)
-        mpirun(2, CLI + ["train", "--solver=%s" % solver] + extra, timeout=60)
+        mpirun(2, CLI + ["train", "--solver=%s" % solver] + extra + flags, timeout=60)
     full = caffemodel_weights(tmp_path / ("full_iter_%d.caffemodel" % (k + 3)))
     resumed = caffemodel_weights(tmp_path / ("resumed_iter_%d.caffemodel" % (k + 3)))
     np.testing.assert_array_equal(resumed, full)
@@ -208,8 +215,9 @@ def log_lines(stderr, directory):
 def test_ranks_flag_runs_what_mpiexec_runs(tmp_path):
     """`caffempi train --ranks=2 --solver=S` re-executes itself under the
     venv's mpiexec: the same final weights, to the bit, and the same log
-    lines as `mpiexec -n 2 python -m caffempi train --solver=S` (--sfb=auto's
-    link and GEMM rates given, not measured, so that its log lines agree)."""
+    lines as `mpiexec -n 2 python -m caffempi train --solver=S`, but the
+    plan's (its memory rate is measured, and the estimates with it; the link
+    and GEMM rates are given so that the choices agree)."""
     from .test_solver_mpi import caffemodel_weights
     runs = {}
     for name in ("mpiexec", "ranks"):
@@ -223,7 +231,9 @@ def test_ranks_flag_runs_what_mpiexec_runs(tmp_path):
             assert p.returncode == 0, p.stderr
         runs[name] = (caffemodel_weights(d / "job_iter_4.caffemodel"), log_lines(p.stderr, d))
     np.testing.assert_array_equal(runs["ranks"][0], runs["mpiexec"][0])
-    assert runs["ranks"][1] == runs["mpiexec"][1]
+    unplanned = {name: [line for line in lines if "Plan: " not in line] for name, (_, lines) in runs.items()}
+    assert unplanned["ranks"] == unplanned["mpiexec"]
+    assert len(unplanned["ranks"]) < len(runs["ranks"][1])
     assert any("MPI: 2 ranks" in line for line in runs["ranks"][1])
     assert sum("Optimization Done" in line for line in runs["ranks"][1]) == 1
 

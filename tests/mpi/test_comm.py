@@ -215,16 +215,59 @@ def test_strategies_and_transports_declare_their_interface():
 
 
 def test_factor_cost_model_picks_factors_for_wide_layers_on_slow_links():
-    from caffempi.parallel.sfb import factor_plan
+    from caffempi.parallel.costs import Costs
+    from caffempi.parallel.sfb import factor_seconds
     gbit = 1e9 / 8
     # CaffeNet's fc6 (4096 x 9216) at 8 images a rank, 2 ranks, 1 Gbit/s: 151 MB
     # of gradient (1.2 s) against 0.4 MB of factors and a 0.6 GFLOP GEMM
-    (use, full, sfb), = factor_plan([(8, 4096, 9216)], 2, gbit, 50e-6, 100e9)
-    assert use and 1.1 < full < 1.3 and sfb < 0.02
+    costs = Costs(2, gbit, 50e-6, 100e9, 10e9)
+    full, sfb = costs.allreduce_seconds(4096 * 9216 * 4), factor_seconds(costs, 8, 4096, 9216)
+    assert 1.1 < full < 1.3 and sfb < 0.02
     # LeNet's ip2 (10 x 500) at 64 images, in shared memory: the gather's two
     # messages cost more than the 20 KB gradient
-    (use, full, sfb), = factor_plan([(64, 10, 500)], 2, 10e9, 20e-6, 100e9)
-    assert not use and sfb > full
+    costs = Costs(2, 10e9, 20e-6, 100e9, 10e9)
+    assert factor_seconds(costs, 64, 10, 500) > costs.allreduce_seconds(10 * 500 * 4)
+
+
+PLAN_NET = """
+layer { name: "data" type: "Input" top: "data" top: "label"
+        input_param { shape { dim: 4 dim: 3 dim: 11 dim: 11 } shape { dim: 4 } } }
+layer { name: "conv1" type: "Convolution" bottom: "data" top: "conv1"
+        convolution_param { num_output: 96 kernel_size: 11 } }
+layer { name: "fc" type: "InnerProduct" bottom: "conv1" top: "fc" inner_product_param { num_output: 500 } }
+layer { name: "fc2" type: "InnerProduct" bottom: "fc" top: "fc2" inner_product_param { num_output: 800 } }
+layer { name: "loss" type: "SoftmaxWithLoss" bottom: "fc2" bottom: "label" top: "loss" }
+"""
+
+
+@pytest.mark.parametrize("link_gbps", [0.1, 100.0])
+@pytest.mark.parametrize("compress", ["none", "powersgd"])
+def test_the_plan_gives_each_weight_the_cheapest_way(link_gbps, compress):
+    """Two ranks (as rank 0 sees them): at 100 Mbit/s conv1 (96 x 363) goes
+    low rank with --compress, fc and fc2 keep their factors (4 rows a rank
+    cost less than two rank-4 sums and the passes over their values);
+    without --compress one line says what low rank would save; at
+    100 Gbit/s low rank's products and passes cost more than it saves."""
+    from caffempi.common import captured_log
+    from caffempi.parallel.config import ParallelConfig
+    from caffempi.proto import caffe_pb2
+    from caffempi.net import Net
+    from google.protobuf import text_format
+    net = Net(text_format.Merge(PLAN_NET, caffe_pb2.NetParameter()))
+    sync = ParallelConfig(compress=compress, link_gbps=link_gbps, gemm_gflops=50).make_sync(_TwoRankWorld(None))
+    with captured_log() as msgs:
+        shares = sync._plan(net)
+    factors, low = ([net.param_owner_names[p] for p in share] for share in shares)
+    lines = [m for m in msgs if m.startswith("Plan: ")]
+    assert len([m for m in lines if "(96x3x11x11): allreduce" in m]) == 1, lines
+    slow = link_gbps < 1
+    assert factors == ["fc[0]", "fc2[0]"]
+    assert low == (["conv1[0]"] if slow and compress == "powersgd" else [])
+    advice = [m for m in lines if "would save an estimated" in m]
+    assert len(advice) == (1 if slow and compress == "none" else 0), lines
+    if advice:
+        assert "low rank would save an estimated" in advice[0] and "on conv1[0];" in advice[0]
+        assert "--compress=powersgd asks for it (lossy)" in advice[0]
 
 
 def test_layers_that_cannot_use_factors_say_why():
@@ -285,7 +328,8 @@ def test_compress_flags_are_checked_when_the_config_is_made():
     from caffempi.parallel.powersgd import LowRank
     plugins = ParallelConfig(compress="powersgd:2", compress_start_iter=5).make_sync(SingleWorld()).plugins
     assert isinstance(plugins[-1], LowRank) and (plugins[-1].rank, plugins[-1].start_iter) == (2, 5)
-    assert not any(isinstance(p, LowRank) for p in ParallelConfig().make_sync(SingleWorld()).plugins)
+    default = ParallelConfig().make_sync(SingleWorld()).plugins      # advises, takes nothing
+    assert [(type(p), p.advise_only) for p in default if isinstance(p, LowRank)] == [(LowRank, True)]
     for bad in ("powersgd:0", "powersgd:x", "none:2", "topk"):
         with pytest.raises(CaffeError, match="unknown --compress '%s'" % bad):
             ParallelConfig(compress=bad)

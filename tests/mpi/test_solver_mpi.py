@@ -210,6 +210,18 @@ def test_a_rank_that_stops_taking_part_ends_the_job_after_comm_timeout(data_dir,
         assert "(ranks not joined: 1;" in lines[0], lines[0]
 
 
+@needs_mpi
+def test_a_rank_missing_from_the_low_rank_sums_ends_the_job(data_dir):
+    """With --compress the wait after backward is first for the low-rank
+    sums: rank 0 names them when rank 1 stops taking part."""
+    p = mpirun(2, [W, data_dir, 12, 6, "prefix=hangpsgd", "fail_rank=1", "fail_iter=3", "fail_kind=hang",
+                   "comm_timeout=2", "compress=powersgd:2", "link_gbps=0.001"], check=False, timeout=60)
+    assert p.returncode != 0
+    lines = [line for line in p.stderr.splitlines() if "error:" in line]
+    assert len(lines) == 1, p.stderr
+    assert "for the low-rank sums" in lines[0] and "ending the job (--comm_timeout=2)" in lines[0], lines[0]
+
+
 def test_watchdog_exits_by_itself_when_the_abort_cannot_reach_the_others():
     import subprocess
     code = ("import time; from caffempi.parallel import watchdog; watchdog.ABORT_GRACE = 1; "
@@ -259,18 +271,21 @@ def test_float16_communication_trains_as_float32_to_its_rounding(data_dir, refer
 
 
 @needs_mpi
-@pytest.mark.parametrize("n,sfb", [(2, "off"), (3, "on")])
-def test_powersgd_trains_with_its_plan_and_composes_with_factors(data_dir, reference, n, sfb):
-    """--compress=powersgd:2: the weights where rank 2 sends at most half
-    (ip1 20x108, ip2 16x20; not ip3 5x16) go low rank, unless the factors
-    took them (--sfb=on takes all three); the run trains as the exact one
-    to within what low rank delays (the first two steps exact), every rank
-    keeping the same weights (the worker checks)."""
-    out = data_dir / ("psgd_%d_%s.npz" % (n, sfb))
+@pytest.mark.parametrize("n,sfb,comm", [(2, "off", "overlap"), (3, "on", "overlap"), (3, "off", "hierarchical"),
+                                        (2, "off", "shm")])
+def test_powersgd_trains_with_its_plan_and_composes_with_factors(data_dir, reference, n, sfb, comm):
+    """--compress=powersgd:2 on a 1 Mbit/s link (--link_gbps): the plan
+    puts ip1 (20x108), ip2 (16x20) and ip3 (5x16) on low rank, unless the
+    factors were told to take them (--sfb=on); the run trains as the exact
+    one to within what low rank delays (the first two steps exact), every
+    rank keeping the same weights (the worker checks), whichever transport
+    sums the biases."""
+    out = data_dir / ("psgd_%d_%s_%s.npz" % (n, sfb, comm))
     p = mpirun(n, [W, data_dir, 12, 6, "out=%s" % out, "compress=powersgd:2", "compress_start_iter=2",
-                   "sfb=%s" % sfb, "prefix=psgd%d%s" % (n, sfb)])
+                   "sfb=%s" % sfb, "prefix=psgd%d%s%s" % (n, sfb, comm), "link_gbps=0.001", "comm=" + comm])
     low = [line for line in p.stderr.splitlines() if "Low rank: " in line and " at rank 2" in line]
-    assert len(low) == (0 if sfb == "on" else 2), p.stderr
+    assert len(low) == (0 if sfb == "on" else 3), p.stderr
+    assert p.stderr.count(": low rank\n") == len(low), p.stderr            # the plan's lines
     got = np.load(out)
     assert int(got["iter"]) == 6
     np.testing.assert_allclose(got["w"], reference["w"], rtol=0, atol=0.05)
@@ -278,4 +293,23 @@ def test_powersgd_trains_with_its_plan_and_composes_with_factors(data_dir, refer
         assert not np.allclose(got["w"], reference["w"], rtol=0, atol=1e-5)     # it is lossy
     else:
         np.testing.assert_allclose(got["w"], reference["w"], rtol=0, atol=1e-6)   # nothing went low rank
+
+
+@needs_mpi
+@pytest.mark.parametrize("fmt", ["binary", "hdf5"])
+def test_powersgd_resume_continues_bitwise(data_dir, fmt):
+    """A snapshot carries each rank's Q, error and step count (the first
+    two steps exact): resumed at 3, the run reaches the uninterrupted one's
+    weights bit for bit, in both snapshot formats."""
+    args = ["compress=powersgd:2", "compress_start_iter=2", "link_gbps=0.001", "comm=overlap"]
+    if fmt == "hdf5":
+        args.append("snapshot_format=hdf5")
+    ext = ".solverstate.h5" if fmt == "hdf5" else ".solverstate"
+    full, resumed = data_dir / ("psf_%s.npz" % fmt), data_dir / ("psr_%s.npz" % fmt)
+    mpirun(2, [W, data_dir, 12, 6, "prefix=psf" + fmt, "snapshot=3", "out=%s" % full] + args)
+    mpirun(2, [W, data_dir, 12, 6, "prefix=psr" + fmt, "resume=%s" % (data_dir / ("psf%s_iter_3%s" % (fmt, ext))),
+               "out=%s" % resumed] + args)
+    a, b = np.load(full), np.load(resumed)
+    assert int(b["iter"]) == 6
+    np.testing.assert_array_equal(b["w"], a["w"])
 

@@ -36,6 +36,11 @@ communication thread fits); nccl is refused (NCCL's reductions cannot add
 float16 pieces in float32).
 One rank needs no transport: :class:`~caffempi.parallel.transports.base.LocalTransport`.
 A new transport subclasses ``Transport`` and gets a row here.
+
+``make_chained_transport(world, compressor)`` makes the sums a plug-in
+chains its own work on (low rank's P and Q): float32 Iallreduces or the
+compressed exchange, as :class:`~caffempi.parallel.transports.chained.ChainedTransport`
+whose handles say when each sum is in.
 """
 import numpy as np
 
@@ -43,6 +48,7 @@ from ...common import CaffeError, log
 from ..compression import COMPRESSORS
 from .base import LocalTransport, Transport  # noqa: F401  (the interface)
 from .mpi import HOST_TRANSPORTS
+from .chained import IallreduceChains
 from .exchange import ExchangeTransport
 from .hierarchical import HierarchicalTransport
 from .shm import make_shm_transport
@@ -125,6 +131,17 @@ def _compressed(world, mode, xp, nbytes, compressor):
         # auto on one host: the polled exchange (shm would save no bytes)
         threaded = mode == "auto" and _comm_thread_fits(world, one_host, crowded)
     return ExchangeTransport(world, compressor, comm_thread=threaded, blocking=mode == "blocking")
+
+
+def make_chained_transport(world, compressor=None):
+    """Polled sums whose handles (chained.Chain) set ``done`` once each is
+    in, through ``compressor`` where there is one (collective).  Polled
+    also across hosts: the plug-ins' sums are a few KB, and a communication
+    thread for each cost more on the ranks' cores than it saved
+    (docs/design/parallel.md)."""
+    if compressor is not None:
+        return ExchangeTransport(world, compressor)
+    return IallreduceChains(world)
 
 
 def _host_layout(world):

@@ -96,3 +96,24 @@ class ChainedTransport(Transport):
     def close(self):
         if self.comm_thread is not None:
             self.comm_thread.close()
+
+
+class IallreduceChains(ChainedTransport):
+    """Float32 sums as one-step chains: an ``MPI_Iallreduce`` each, on a
+    communicator of its own, whose handles (:class:`Chain`) say when they
+    are done (``done``), for a caller that starts work on each sum's result
+    (the low-rank plug-in); polled."""
+    name = "mpi-host-chains"
+
+    def __init__(self, world):
+        super().__init__(world)
+        self.comm = world.comm.Dup()
+
+    def issue(self, chain):
+        return self.comm.Iallreduce(self.MPI.IN_PLACE, chain.buf, op=self.MPI.SUM)
+
+    def close(self):
+        super().close()
+        if self.comm is not None:
+            self.comm.Free()
+            self.comm = None

@@ -44,7 +44,7 @@ def main(argv):
     Collectives(world).broadcast_arrays([net.param_data])
     plugin = SufficientFactors(mode="on")
     red = BucketedAllreduce(world, comm="overlap", bucket_mb=1e-6, first_bucket_mb=1e-6,
-                            plugins=[plugin] if sfb else [])
+                            plugins=[plugin] if sfb else [], link_gbps=1, gemm_gflops=50)
     red.attach(net)
     transport = red.transport
     polls = {"conv": 0, "gathers": 0}

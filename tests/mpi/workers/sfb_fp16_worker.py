@@ -25,7 +25,7 @@ def gradient(world, comm_dtype, x, y):
     net = Net(param, data_shard=(world.rank, world.size))
     factors = SufficientFactors(mode="on")
     sync = BucketedAllreduce(world, comm="overlap", bucket_mb=0.001, first_bucket_mb=0.001,
-                             comm_dtype=comm_dtype, plugins=[factors])
+                             comm_dtype=comm_dtype, plugins=[factors], link_gbps=1, gemm_gflops=50)
     sync.attach(net, 1)
     net.clear_param_diffs()
     sync.start_iteration(net)

@@ -7,6 +7,7 @@ keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
       host that does not share rank 0's files), fail_rank, fail_iter,
       fail_kind (raise|nan|kill|snapshot|hang: stops taking part, as a rank
       behind a dead link), comm_timeout, sfb (off|on|auto), comm_dtype, sync, tau, test_interval, after_train
+      snapshot_format (hdf5), compress, compress_start_iter, link_gbps (the plan's link; gemm_gflops 50 with it)
       (0: no snapshot_after_train),
       out (npz written by rank 0), each (npz path with %d: every rank writes its
       iteration, weights and EASGD centre when it stops, also on an error)
@@ -72,7 +73,9 @@ def main():
                                                 comm_timeout=float(kw.get("comm_timeout", 600)),
                                                 sfb=kw.get("sfb", "off"), comm_dtype=kw.get("comm_dtype", "fp32"),
                                                 compress=kw.get("compress", "none"),
-                                                compress_start_iter=int(kw.get("compress_start_iter", 0))))
+                                                compress_start_iter=int(kw.get("compress_start_iter", 0)),
+                                                link_gbps=float(kw.get("link_gbps", 0)),
+                                                gemm_gflops=50.0 if kw.get("link_gbps") else 0.0))
 
     def run():
         from google.protobuf import text_format
@@ -88,6 +91,8 @@ def main():
             "snapshot": int(kw.get("snapshot", 0)),
             "prefix": os.path.join(d, kw.get("prefix", "snap"))}, p)
         p.snapshot_after_train = kw.get("after_train", "1") != "0"
+        if kw.get("snapshot_format") == "hdf5":
+            p.snapshot_format = caffe_pb2.SolverParameter.HDF5
         if kw.get("other_cwd") and world.rank:
             os.chdir(kw["other_cwd"])
         solver = get_solver(p, sync=sync, weights=kw.get("weights"))
