@@ -15,7 +15,11 @@ Modes: blocking (--sfb=off, one allreduce after backward), overlap (--sfb=off,
 bucketed Iallreduce polled during backward), default (--comm=auto --sfb=auto,
 caffempi train's defaults: across hosts a communication thread sums the
 buckets, and the cost model chooses sufficient factors per layer; the
-choices are printed), fp16 (the defaults with --comm_dtype=fp16).  CaffeNet is BVLC's
+choices are printed), fp16 (the defaults with --comm_dtype=fp16), powersgd
+(the defaults with --compress=powersgd: the plan may put weights on low
+rank), powersgd_fp16 (both), barrier (no gradients: a barrier after each
+backward, the job's ceiling on these hosts: what the ranks lose waiting
+for the slower one).  CaffeNet is BVLC's
 reference prototxt from ../shared, with random input, 8 images a rank.
 """
 import argparse
@@ -32,10 +36,11 @@ sys.path.insert(0, str(HERE.parent))
 import scaling  # noqa: E402
 from caffempi.testing.cluster import Cluster, unavailable_reason  # noqa: E402
 
-# mode: (--comm, --sfb, --comm_dtype)
-MODES = {"blocking": ("blocking", "off", "fp32"), "overlap": ("overlap", "off", "fp32"),
-         "default": ("auto", "auto", "fp32"), "fp16": ("auto", "auto", "fp16"),
-         "fp16_polled": ("overlap", "auto", "fp16")}
+# mode: (--comm, --sfb, --comm_dtype, --compress)
+MODES = {"blocking": ("blocking", "off", "fp32", "none"), "overlap": ("overlap", "off", "fp32", "none"),
+         "default": ("auto", "auto", "fp32", "none"), "fp16": ("auto", "auto", "fp16", "none"),
+         "fp16_polled": ("overlap", "auto", "fp16", "none"), "powersgd": ("auto", "auto", "fp32", "powersgd"),
+         "powersgd_fp16": ("auto", "auto", "fp16", "powersgd"), "barrier": ("barrier", "off", "fp32", "none")}
 
 
 def slot_seconds(a, net):
@@ -50,7 +55,7 @@ def slot_seconds(a, net):
 def run_paired(cluster, a, net, mode):
     """The independent pair (here) and the 2-host job alive together, taking
     turns in time slots (scaling.py's pairing), so both see the same load."""
-    comm, a.sfb, a.comm_dtype = MODES[mode]
+    comm, a.sfb, a.comm_dtype, a.compress = MODES[mode]
     slot = slot_seconds(a, net)
     t0 = time.time() + a.startup
     procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1))
@@ -62,7 +67,7 @@ def run_paired(cluster, a, net, mode):
         raise SystemExit("the %s job on %s failed:\n%s" % (mode, net, err[-3000:]))
     pair = scaling.collect(procs, outs, a)
     res = scaling.collect([], [out], a)
-    choices = [line.split("] ", 1)[-1] for line in err.splitlines() if "Sufficient factors:" in line]
+    choices = [line.split("] ", 1)[-1] for line in err.splitlines() if "Plan: " in line]
     return pair, res, choices
 
 

@@ -49,6 +49,9 @@ NETS = {      # name: (prototxt, image shape if the prototxt lacks it, batch a r
     "alexnet": ("../shared/caffe-zoo/bvlc/models/bvlc_alexnet/train_val.prototxt", None, 8),
     # 138M parameters, 89% of them in fc6-fc8
     "vgg16": ("benchmarks/nets/vgg16.prototxt", None, None),
+    # 25.6M parameters in 53 convolutions and fc1000: ../shared's ResNet-50 deploy net made trainable
+    # (an Input layer of 8 images and labels, BatchNorm on batch statistics, SoftmaxWithLoss)
+    "resnet50": ("benchmarks/nets/resnet50.prototxt", None, None),
 }
 
 def load_net_param(name):
@@ -106,11 +109,11 @@ def _solver(args, sync):
 
 
 def _averager(world, comm, args):
-    from caffempi.parallel.sfb import SufficientFactors
+    from caffempi.parallel.config import ParallelConfig
     from caffempi.parallel.sync import BucketedAllreduce
     if comm == "barrier":
         return Lockstep(world)
-    plugins = [SufficientFactors(args.sfb)] if getattr(args, "sfb", "off") != "off" else []
+    plugins = ParallelConfig(sfb=args.sfb, compress=args.compress, comm_dtype=args.comm_dtype).make_plugins()
     return BucketedAllreduce(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
                              comm_dtype=args.comm_dtype, plugins=plugins)
 
@@ -239,7 +242,10 @@ def worker(args):
             t = time.perf_counter()
             world.allreduce_sum(buf)
             ar.append(time.perf_counter() - t)
-    factor_layers = {i for plugin in getattr(red, "plugins", []) for i, _, _ in plugin.factor_layers}
+    factor_layers, low_rank = set(), {}         # layer index -> the rank of its low-rank weight
+    for plugin in getattr(red, "plugins", []):
+        factor_layers.update(i for i, _, _ in getattr(plugin, "factor_layers", ()))
+        low_rank.update((net.param_layer_index[m.param], m.rank) for m in getattr(plugin, "matrices", ()))
     red.close()
     # exposed time = waiting for the slower rank to finish its backward
     # (skew) + communication left after the last rank's backward
@@ -269,7 +275,9 @@ def worker(args):
                                          enumerate(net.param_layer_index) if li == i)),
                        # (M, N, K) of a layer with sufficient factors (the scaling model's SFB)
                        "factors": factor_shape(net.layers[i]),
-                       "factors_used": i in factor_layers}
+                       "factors_used": i in factor_layers,
+                       # the rank of its weight's low-rank sums (--compress), else None
+                       "low_rank": low_rank.get(i)}
                       for i, n in enumerate(net.layer_names)]}
     res_all = world.allgather(res) if world.size > 1 else [res]
     if world.rank == 0:
@@ -339,7 +347,8 @@ def worker_args(a, net, comm, out, slot=None):
     args = [sys.executable, __file__, "--worker", "--net", net, "--comm", comm, "--iters", str(a.iters),
             "--warmup", str(a.warmup), "--bucket_mb", str(a.bucket_mb),
             "--first_bucket_mb", str(a.first_bucket_mb), "--sfb", getattr(a, "sfb", "off"),
-            "--comm_dtype", getattr(a, "comm_dtype", "fp32"), "--out", out]
+            "--comm_dtype", getattr(a, "comm_dtype", "fp32"), "--compress", getattr(a, "compress", "none"),
+            "--out", out]
     if getattr(a, "allreduce_reps", None) is not None:
         args += ["--allreduce_reps", str(a.allreduce_reps)]
     if slot:
@@ -438,6 +447,8 @@ def main():
                     help="times the whole gradient's allreduce is timed alone after the run (default --iters)")
     ap.add_argument("--sfb", default="off", help="sufficient factors for InnerProduct layers: off, on or auto")
     ap.add_argument("--comm_dtype", default="fp32", help="fp32, or fp16 (buckets and factors sent as float16)")
+    ap.add_argument("--compress", default="none", help="none, or powersgd[:RANK] (low rank where the plan "
+                    "finds it pays)")
     ap.add_argument("--interleave", action="store_true",
                     help="instead: one --ranks job per net that takes the --comm modes (of shm, overlap, "
                          "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "
