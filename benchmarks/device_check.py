@@ -305,8 +305,9 @@ def versions_child(dry):
         from cupy.cuda import nccl as N
         if not N.available:
             return "not available in CuPy"
-        from caffempi.pycaffe import has_nccl
-        return "available, version %s; caffempi has_nccl() %s" % (N.get_version(), has_nccl())
+        from caffempi.pycaffe import nccl_transport_available
+        return "available, version %s; caffempi's NCCL transport available: %s" % (
+            N.get_version(), nccl_transport_available())
 
     def torch():
         import torch as T

@@ -19,7 +19,8 @@ __all__ += ["Detector"]
 from .layer_types.base import LAYER_REGISTRY  # noqa: E402
 from .layer_types.python import Layer  # noqa: E402  (pycaffe's caffe.Layer, for Python layers)
 from .net_spec import NetSpec, layers, params, to_proto  # noqa: E402  (pycaffe's NetSpec, L and P)
-__all__ += ["Layer", "NetSpec", "layers", "params", "to_proto", "layer_type_list"]
+from . import coord_map  # noqa: E402  (pycaffe's caffe.coord_map: coord_map_from_to, crop)
+__all__ += ["Layer", "NetSpec", "layers", "params", "to_proto", "layer_type_list", "coord_map"]
 from .pycaffe import (NCCL, Timer, has_nccl, init_log, log, set_multiprocess,  # noqa: E402
                       set_solver_count, set_solver_rank, solver_count, solver_rank)
 __all__ += ["Timer", "init_log", "log", "solver_count", "set_solver_count", "solver_rank", "set_solver_rank",

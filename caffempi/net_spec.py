@@ -168,7 +168,12 @@ class Function:
         else:
             layer.top.extend(self.top_name(top, names, autonames) for top in self.tops)
         layer.name = self.layer_name(names, autonames)
-        where = "NetSpec layer '%s' (%s)" % (layer.name, self.type_name)
+        self.fill_params(layer, "NetSpec layer '%s' (%s)" % (layer.name, self.type_name))
+        layers[self] = layer
+
+    def fill_params(self, layer, where):
+        """Set the keyword parameters on LayerParameter ``layer``, routed as
+        pycaffe routes them (the module's docstring)."""
         own = PARAM_NAMES.get(self.type_name)
         own_fields = LAYER_FIELDS[own + "_param"].message_type.fields_by_name if own else {}
         for key, value in self.params.items():
@@ -179,7 +184,6 @@ class Function:
             else:
                 raise CaffeError("%s: no field '%s' in %sLayerParameter" % (
                     where, key, "%s_param or " % own if own else ""))
-        layers[self] = layer
 
 
 def to_proto(*tops):

@@ -13,7 +13,8 @@ caffempi.solvers' own classes take one process unless given ``sync=``.  So the s
 that BVLC's ``python/train.py`` makes in each process it starts report the
 job (solver_count, solver_rank) and accept only values that agree with it;
 NCCL, with which that script joins its processes, is refused with the
-command to run instead.
+command to run instead, and has_nccl() says so (False, as pycaffe built
+without NCCL answers).
 """
 import time
 
@@ -170,11 +171,21 @@ def set_multiprocess(multiprocess):
 
 
 def has_nccl():
-    """pycaffe's ``caffe.has_nccl()``: whether caffempi's NCCL gradient
-    transport can run in this process (CuPy sees a GPU and loads NCCL); a
-    job's GPU solvers use it by themselves (--comm=auto)."""
+    """pycaffe's ``caffe.has_nccl()``: whether :class:`NCCL` (``NCCL.new_uid()``,
+    ``NCCL(solver, uid)``) works in this process, as BVLC's test_nccl.py and
+    python/train.py read it.  caffempi refuses pycaffe's NCCL recipe (its
+    ranks are MPI processes: see the module's docstring), so this is False
+    everywhere, on GPUs with NCCL too.  Whether caffempi's own NCCL gradient
+    transport can run here, which a job's GPU solvers use by themselves
+    (--comm=auto), is :func:`nccl_transport_available`."""
+    return NCCL.works
+
+
+def nccl_transport_available():
+    """Whether caffempi's NCCL gradient transport can run in this process:
+    CuPy sees a GPU and loads NCCL."""
     try:
-        usable_cupy("has_nccl")
+        usable_cupy("nccl_transport_available")
     except CaffeError:
         return False
     from .parallel.transports.nccl import nccl_loaded
@@ -184,7 +195,10 @@ def has_nccl():
 class NCCL:
     """pycaffe's ``caffe.NCCL(solver, uid)`` and ``NCCL.new_uid()``, with
     which BVLC's python/train.py joins the processes it starts: refused with
-    a CaffeError naming what to run instead (see the module's docstring)."""
+    a CaffeError naming what to run instead (see the module's docstring);
+    ``works`` (False) is what :func:`has_nccl` reports."""
+
+    works = False
 
     def __init__(self, solver=None, uid=None):
         raise CaffeError("caffe.NCCL: " + RUN_UNDER_MPIEXEC)

@@ -134,18 +134,6 @@ def test_nccl_is_refused_with_the_command_to_run():
         caffe.NCCL.new_uid()
 
 
-def test_has_nccl_says_whether_cupy_loads_nccl_on_a_gpu():
-    cp = cupy_or_none()
-    expected = False
-    if cp is not None:
-        try:
-            from cupy.cuda import nccl
-            expected = cp.cuda.runtime.getDeviceCount() > 0 and bool(nccl.available)
-        except Exception:
-            expected = False
-    assert caffe.has_nccl() is expected
-
-
 def test_init_log_level_and_log():
     code = ("import caffempi as caffe\n"
             "caffe.init_log(1); caffe.log('hidden at WARNING')\n"
