@@ -812,8 +812,8 @@ def one_thread(measure, *args, **kwargs):
 
 
 def measure_gemm_rate():
-    """FLOP/s of one thread's float32 GEMM, as --sfb=auto measures it."""
-    from ..parallel.sfb import measure_gemm_rate as measure
+    """FLOP/s of one thread's float32 GEMM, as the reducer's plan measures it (parallel.costs)."""
+    from ..parallel.costs import measure_gemm_rate as measure
     return one_thread(measure, repeats=3)
 
 
