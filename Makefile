@@ -4,7 +4,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test demo bench proto clean
+.PHONY: install test test-protobuf demo bench proto clean
 
 install: $(STAMP)
 
@@ -19,6 +19,32 @@ $(STAMP): setup.py
 
 test: install
 	$(PY) -m pytest -q tests
+	$(MAKE) --no-print-directory test-protobuf
+
+# The proto round trips again under the oldest and the newest protobuf that
+# setup.py allows (upb and pure-Python backends): each protobuf alone in a
+# folder (pip --target) ahead of the venv's site-packages, which gives the
+# rest (NumPy, h5py ...).  Remade when setup.py changes.
+PROTOBUF_OLDEST := 4.25.8
+PROTOBUF_NEWEST := <8
+PROTO_TESTS := tests/test_proto_versions.py tests/test_proto.py tests/test_snapshot.py tests/test_nvcaffe.py
+
+$(VENV)/protobuf-oldest/.installed: $(STAMP)
+	rm -rf $(@D)
+	$(PY) -m pip install -q --no-deps --target $(@D) 'protobuf==$(PROTOBUF_OLDEST)'
+	touch $@
+
+$(VENV)/protobuf-newest/.installed: $(STAMP)
+	rm -rf $(@D)
+	$(PY) -m pip install -q --no-deps --target $(@D) 'protobuf$(PROTOBUF_NEWEST)'
+	touch $@
+
+test-protobuf: $(VENV)/protobuf-oldest/.installed $(VENV)/protobuf-newest/.installed
+	@for pb in oldest newest; do for impl in upb python; do \
+	  echo "== protobuf $$(cat $(VENV)/protobuf-$$pb/protobuf-*.dist-info/METADATA | sed -n 's/^Version: //p') ($$pb, $$impl)"; \
+	  PYTHONPATH=$(VENV)/protobuf-$$pb PROTOCOL_BUFFERS_PYTHON_IMPLEMENTATION=$$impl \
+	    CAFFEMPI_TEST_PROTOBUF=$$pb $(PY) -m pytest -q -p no:cacheprovider $(PROTO_TESTS) || exit 1; \
+	done; done
 
 demo: install
 	PYTHON=$(PY) MPIRUN=$(VENV)/bin/mpiexec bash examples/mnist/demo.sh
@@ -26,10 +52,16 @@ demo: install
 bench: install
 	$(PY) benchmarks/run_all.py
 
-# caffempi/proto/caffe_pb2.py is generated from proto/caffe.proto and committed.
-proto: install
-	$(PY) -m pip install -q grpcio-tools
-	$(PY) -m grpc_tools.protoc -Iproto --python_out=caffempi/proto proto/caffe.proto
+# caffempi/proto/caffe_pb2.py is generated from proto/caffe.proto and committed,
+# by protoc 25.1 (grpcio-tools 1.62.3, the last with a protoc 25), in a venv of
+# its own (it needs protobuf < 5): that code loads on protobuf 4.25 through 7.x.
+# protoc 26 and later write a runtime check that refuses every protobuf older
+# than the protoc, and that protobuf < 5.26 cannot even import.
+PROTOC_VENV := build/protoc
+proto:
+	test -x $(PROTOC_VENV)/bin/python || $(PYTHON) -m venv $(PROTOC_VENV)
+	$(PROTOC_VENV)/bin/python -m pip install -q grpcio-tools==1.62.3
+	$(PROTOC_VENV)/bin/python -m grpc_tools.protoc -Iproto --python_out=caffempi/proto proto/caffe.proto
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

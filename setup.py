@@ -10,7 +10,9 @@ setup(
     packages=find_packages(include=["caffempi", "caffempi.*"]),
     install_requires=[
         "numpy>=1.26",
-        "protobuf>=7.35.1",
+        # caffe_pb2.py is protoc 25 code (make proto), which loads on 4.25 through
+        # 7.x; 4.25.8 fixes CVE-2025-4565 (the pure-Python parser's recursion)
+        "protobuf>=4.25.8,<8",
         "lmdb>=1.4",
         "h5py>=3.8",
         "pillow>=10",
@@ -29,7 +31,7 @@ setup(
         # CuPy's wheels are per CUDA major version
         "gpu": ["cupy-cuda12x>=13"],
         "gpu-cuda13": ["cupy-cuda13x>=14"],
-        "proto": ["grpcio-tools>=1.60"],
+        "proto": ["grpcio-tools==1.62.3"],     # protoc 25.1: see make proto
         # backend: LEVELDB.  plyvel's wheels are for CPython <= 3.12 (newer
         # Pythons build it from source against libleveldb), hence not required
         "leveldb": ["plyvel>=1.5"],

@@ -94,7 +94,7 @@ def run_call():
 
 
 def required_protobuf():
-    m = re.search(r'"protobuf>=([0-9.]+)"', (REPO / "setup.py").read_text())
+    m = re.search(r'"protobuf>=([0-9.]+)[,"]', (REPO / "setup.py").read_text())
     return m.group(1) if m else None
 
 

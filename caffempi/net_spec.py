@@ -25,6 +25,7 @@ from google.protobuf import message as pb_message
 
 from .common import CaffeError
 from .proto import caffe_pb2
+from .proto.fields import is_repeated
 
 
 def param_name_dict():
@@ -64,7 +65,7 @@ def assign_proto(proto, name, value, where="NetSpec"):
         raise CaffeError("%s: %s has no field '%s'" % (where, proto.DESCRIPTOR.name, name))
     where = "%s: %s.%s" % (where, proto.DESCRIPTOR.name, name)
     is_message = field.message_type is not None
-    if field.is_repeated:
+    if is_repeated(field):
         items = list(value) if isinstance(value, (list, tuple)) else [value]
         container = getattr(proto, name)
         for item in items:

@@ -8,6 +8,7 @@ import pytest
 from caffempi.io import proto_io
 from caffempi.io.proto_io import ProtoError
 from caffempi.proto import caffe_pb2
+from caffempi.proto.fields import is_required
 
 ZOO = Path(__file__).resolve().parents[1].parent / "shared" / "caffe-zoo"
 
@@ -80,7 +81,7 @@ def test_enums_and_defaults_match_bvlc():
     assert caffe_pb2.LossParameter().normalization == caffe_pb2.LossParameter.VALID
     assert caffe_pb2.SwishParameter().beta == 1.0
     clip = caffe_pb2.ClipParameter.DESCRIPTOR.fields_by_name
-    assert clip["min"].is_required and clip["max"].is_required
+    assert is_required(clip["min"]) and is_required(clip["max"])
     assert (clip["min"].number, clip["max"].number) == (1, 2)
 
 

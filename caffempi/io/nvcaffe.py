@@ -8,6 +8,7 @@ SSD/DetectNet/TensorRT layers' parameters, for instance) are refused by the
 parser, naming the field.  docs/nvcaffe.md is the same table for users.
 """
 from ..common import log
+from ..proto.fields import is_repeated
 
 HONOURED = {
     "BlobProto": ("raw_data_type", "raw_diff_type", "raw_data", "raw_diff"),
@@ -38,11 +39,11 @@ def ignored_fields(msg, found=None):
     found = {} if found is None else found
     ignored = IGNORED.get(msg.DESCRIPTOR.name, ())
     for field, value in msg.ListFields():
-        if field.name in ignored and (field.is_repeated or value != field.default_value):
+        if field.name in ignored and (is_repeated(field) or value != field.default_value):
             name = "%s.%s" % (msg.DESCRIPTOR.name, field.name)
             found[name] = found.get(name, 0) + 1
         if field.message_type is not None and field.message_type.name != "BlobProto":
-            for sub in (value if field.is_repeated else (value,)):
+            for sub in (value if is_repeated(field) else (value,)):
                 ignored_fields(sub, found)
     return found
 
