@@ -21,7 +21,7 @@ import signal
 import sys
 from collections import OrderedDict
 
-from .common import AgreedError, CaffeError, TEST, configure_logging, log
+from .common import AgreedError, CaffeError, TEST, configure_logging, log, printable
 from .flags import FlagSet
 from .io.proto_io import ProtoError
 from .memory import tune_allocator
@@ -272,7 +272,9 @@ def main(argv=None):
     except (CaffeError, ProtoError, OSError) as e:
         if debug:
             raise
-        msg = " ".join(str(e).split()) or e.__class__.__name__
+        # one line of text: the message may carry MPI's, the OS's or a
+        # user file's strings (a library version, a path, a parse error's line)
+        msg = printable(" ".join(str(e).split())) or e.__class__.__name__
         if isinstance(e, AgreedError):
             # every rank stopped here together: one line from rank 0, and
             # each rank exits normally (no MPI_Abort)

@@ -4,6 +4,7 @@ import contextlib
 import getpass
 import logging
 import os
+import re
 import socket
 import sys
 import threading
@@ -82,6 +83,38 @@ def set_rng_state(state):
     _rng.set_state(state)
 
 
+# ----------------------------------------------------------------- log text
+# What a log line must not carry: C0 control characters but tab (newline is
+# allowed only where a message is meant to span lines), DEL, C1 controls, and
+# lone surrogates (os.fsdecode's stand-ins for undecodable bytes, which a
+# UTF-8 log file cannot hold).
+_UNPRINTABLE = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]")
+_UNPRINTABLE_BUT_NEWLINE = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f\ud800-\udfff]")
+
+
+def _escape(match):
+    return match.group().encode("unicode_escape").decode("ascii")
+
+
+def printable(text, newlines=False):
+    """``text`` made fit for a log line: a string from MPI, the OS or a user
+    file (``bytes`` are decoded as UTF-8, anything else goes through str).
+
+    Trailing NULs are removed: they are C string terminators that a length
+    counted in (Open MPI's MPI_Get_library_version ends in one), not text,
+    and one NUL makes grep call the whole log binary (BVLC's parse_log.sh
+    then writes empty tables).  Every other control character but tab
+    (newline too when ``newlines``) is escaped as Python writes it (``\\x00``,
+    ``\\r``, ``\\x1b``, ``\\udcff``), not dropped: a path or host name in an
+    error stays recognisable and two names never collapse into one."""
+    if isinstance(text, (bytes, bytearray)):
+        text = bytes(text).decode("utf-8", "backslashreplace")
+    elif not isinstance(text, str):
+        text = str(text)
+    text = text.rstrip("\0")
+    return (_UNPRINTABLE_BUT_NEWLINE if newlines else _UNPRINTABLE).sub(_escape, text)
+
+
 # -------------------------------------------------------------------- logging
 # glog's severities 0..3, as --minloglevel and --stderrthreshold number them
 SEVERITY_LEVELS = (logging.INFO, logging.WARNING, logging.ERROR, logging.CRITICAL)
@@ -101,7 +134,9 @@ class GlogFormatter(logging.Formatter):
         head = "%s%02d%02d %02d:%02d:%02d.%06d %5d %s:%d] " % (
             SEVERITY_LETTERS.get(record.levelno, "I"), t.tm_mon, t.tm_mday, t.tm_hour, t.tm_min, t.tm_sec,
             usec, threading.get_native_id(), os.path.basename(record.pathname), record.lineno)
-        return head + self.prefix + record.getMessage()
+        # every line is text whatever a message carries (printable: the
+        # call sites escape newlines in single-line values themselves)
+        return head + self.prefix + printable(record.getMessage(), newlines=True)
 
 
 class _StderrHandler(logging.StreamHandler):
@@ -182,7 +217,8 @@ def _open_log_file(log_dir, program, rank):
             from None
     handler.stream.write("Log file created at: %s\nRunning on machine: %s\nRunning duration (h:mm:ss): 0:00:00\n"
                          "Log line format: [IWEF]mmdd hh:mm:ss.uuuuuu threadid file:line] msg\n"
-                         % (time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)), socket.gethostname()))
+                         % (time.strftime("%Y/%m/%d %H:%M:%S", time.localtime(now)),
+                            printable(socket.gethostname())))
     link_path = os.path.join(log_dir, link)
     try:
         if os.path.lexists(link_path):

@@ -10,7 +10,7 @@ import sys
 import threading
 import traceback
 
-from ..common import AgreedError, CaffeError, init_logging, log
+from ..common import AgreedError, CaffeError, init_logging, log, printable
 from .comm import SingleWorld, current_world, get_world, launched_by_mpi
 from .config import ParallelConfig
 from .sync import BucketedAllreduce
@@ -35,7 +35,7 @@ def _report(world, exc_type, exc, tb, debug=False):
     prefix = "[rank %d] " % world.rank if world.size > 1 and not issubclass(exc_type, AgreedError) else ""
     try:
         if issubclass(exc_type, CaffeError) and not debug:
-            msg = "%scaffempi: error: %s" % (prefix, " ".join(str(exc).split()))
+            msg = "%scaffempi: error: %s" % (prefix, printable(" ".join(str(exc).split())))
         else:
             msg = prefix + "".join(traceback.format_exception(exc_type, exc, tb)).rstrip()
     except Exception:
@@ -151,8 +151,8 @@ def start_rank(config, debug=False):
         raise AgreedError("--ranks=%d, but this job has %d rank%s"
                           % (config.ranks, world.size, "s"[world.size == 1:]))
     if world.size > 1 and world.rank == 0:
-        log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, world.library_version(),
-                 world.processor_name())
+        log.info("MPI: %d ranks (%s), rank 0 on %s", world.size, printable(world.library_version()),
+                 printable(world.processor_name()))
     share_cores(world)
     world.started = True
     return world
