@@ -10,13 +10,13 @@ import re
 import shutil
 import subprocess
 import sys
-from collections import OrderedDict
 from pathlib import Path
 
 import pytest
 
 from caffempi import common
 from caffempi.common import CaffeError, printable
+from test_log_format import extract_datetime_from_line, parse_log  # BVLC parse_log.py's layout
 
 REPO = Path(__file__).resolve().parents[1]
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]")   # what no log line may hold
@@ -163,75 +163,13 @@ def test_grep_reads_a_log_with_open_mpis_line_as_text(tmp_path, log_text):
 # tools/extra/parse_log.py (BVLC master): its regular expressions, row
 # building, and extract_seconds' time parsing; lines that are not glog's
 # (a rank's "[rank 1] " prefix) are skipped, as its ValueError handler does.
-regex_iteration = re.compile(r'Iteration (\d+)')
-regex_train_output = re.compile(r'Train net output #(\d+): (\S+) = ([\.\deE+-]+)')
-regex_test_output = re.compile(r'Test net output #(\d+): (\S+) = ([\.\deE+-]+)')
-regex_learning_rate = re.compile(r'lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)')
-
-
-def _datetime(line, year):
-    line = line.strip().split()
-    timestamp = line[1]
-    pos = timestamp.rfind('.')
-    h, m, s = [int(x) for x in timestamp[:pos].split(':')]
-    return datetime.datetime(year, int(line[0][1:3]), int(line[0][3:]), h, m, s, int(timestamp[pos + 1:]))
-
-
-def _start_time(lines, year):
-    for line in lines:
-        if 'Solving' in line:
-            return _datetime(line, year)
-    return None
-
-
-def _net_output(regex, row, rows, line, iteration, seconds, lr):
-    m = regex.search(line)
-    if m:
-        if not row or row['NumIters'] != iteration:
-            if row:
-                rows.append(row)
-            row = OrderedDict([('NumIters', iteration), ('Seconds', seconds), ('LearningRate', lr)])
-        row[m.group(2)] = float(m.group(3))
-    if row and rows and len(row) == len(rows[0]):
-        rows.append(row)
-        row = None
-    return rows, row
-
-
-def parse_log_py(text, year):
-    lines = iter(text.splitlines(True))
-    start = _start_time(lines, year)
-    assert start is not None, "no Solving line"
-    iteration, lr = -1, float('NaN')
-    train, test, train_row, test_row = [], [], None, None
-    for line in lines:
-        m = regex_iteration.search(line)
-        if m:
-            iteration = float(m.group(1))
-        if iteration == -1:
-            continue
-        try:
-            seconds = (_datetime(line, year) - start).total_seconds()
-        except (ValueError, IndexError):
-            continue
-        m = regex_learning_rate.search(line)
-        if m:
-            lr = float(m.group(1))
-        train, train_row = _net_output(regex_train_output, train_row, train, line, iteration, seconds, lr)
-        test, test_row = _net_output(regex_test_output, test_row, test, line, iteration, seconds, lr)
-    for rows in (train, test):
-        if len(rows) > 1:
-            rows[0]['LearningRate'] = rows[1]['LearningRate']
-    return train, test
-
-
 def parse_log_sh(text, year):
     """tools/extra/parse_log.sh's tables (columns as its paste joins them):
     test (#Iters Seconds TestAccuracy TestLoss), train (#Iters Seconds
     TrainingLoss LearningRate), each column a list of strings."""
     lines = text.splitlines()
     iteration_of = lambda l: re.sub(r'.*Iteration ([0-9]*).*', r'\1', l)  # noqa: E731
-    seconds = lambda ls, start: ['%f' % (_datetime(l, year) - start).total_seconds()  # noqa: E731
+    seconds = lambda ls, start: ['%f' % (extract_datetime_from_line(l, year) - start).total_seconds()  # noqa: E731
                                  for l in ls if 'Iteration' in l]
     # sed -n '/Iteration .* Testing net/,/Iteration *. loss/p', then its deletions
     aux, inside = [], False
@@ -246,7 +184,7 @@ def parse_log_sh(text, year):
     aux = [l for l in aux if not re.search(r'Waiting for data|prefetch queue empty|Iteration .* loss|'
                                            r'Iteration .* lr|Train net', l)]
     solving = [l for l in lines if '] Solving ' in l]
-    start = _datetime(solving[0], year)
+    start = extract_datetime_from_line(solving[0], year)
     test = {"iters": [iteration_of(l) for l in aux if 'Iteration ' in l],
             "seconds": seconds(solving + [l for l in lines if 'Testing net' in l], start),
             "accuracy": [l.split()[10] for l in aux if 'Test net output #0' in l],      # awk '{print $11}'
@@ -309,7 +247,7 @@ def test_two_rank_log_is_text(two_rank_log):
 
 
 def test_parse_log_py_reads_a_two_rank_log(two_rank_log):
-    train, test = parse_log_py(two_rank_log.read_text(), datetime.date.today().year)
+    train, test = parse_log(two_rank_log.read_text())
     assert [r["NumIters"] for r in train] == [0, 1, 2, 3]
     assert all(list(r) == ["NumIters", "Seconds", "LearningRate", "loss"] for r in train)
     assert [r["LearningRate"] for r in train] == [0.1, 0.1, 0.1, 0.05]
