@@ -16,7 +16,7 @@ import pytest
 
 from caffempi import common
 from caffempi.common import CaffeError, printable
-from test_log_format import extract_datetime_from_line, parse_log  # BVLC parse_log.py's layout
+from test_log_format import NET, extract_datetime_from_line, parse_log  # BVLC parse_log.py's layout
 
 REPO = Path(__file__).resolve().parents[1]
 CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f\ud800-\udfff]")   # what no log line may hold
@@ -197,16 +197,6 @@ def parse_log_sh(text, year):
     return train, test
 
 
-NET = """name: "cls"
-layer { name: "data" type: "DummyData" top: "x" top: "label"
-  dummy_data_param { shape { dim: 4 dim: 5 } shape { dim: 4 }
-    data_filler { type: "gaussian" std: 1 } data_filler { type: "constant" value: 1 } } }
-layer { name: "ip" type: "InnerProduct" bottom: "x" top: "ip"
-  inner_product_param { num_output: 3 weight_filler { type: "gaussian" std: 0.1 } } }
-layer { name: "accuracy" type: "Accuracy" bottom: "ip" bottom: "label" top: "accuracy"
-  include { phase: TEST } }
-layer { name: "loss" type: "SoftmaxWithLoss" bottom: "ip" bottom: "label" top: "loss" }
-"""
 SOLVER = ('net: "%s" base_lr: 0.1 lr_policy: "step" gamma: 0.5 stepsize: 2 max_iter: 4 display: 1 '
           'test_iter: 2 test_interval: 2 momentum: 0.9 random_seed: 1 snapshot_after_train: false\n')
 
