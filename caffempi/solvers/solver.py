@@ -796,6 +796,7 @@ class Solver:
         self.current_step = step
         if extra:
             self._restore_extra(json.loads(extra), path)
+        self._loaded_blobs = None
 
     def _load_state(self, path):
         """Read a solver state into this rank's weights and history; returns
@@ -888,8 +889,9 @@ class Solver:
         set_window(extra.get("loss_window"))
         ranks = extra.get("ranks") or []
         if len(ranks) != self.collectives.size:
-            self._warn("%s was written by %d process(es), this run has %d: data position and random "
-                       "state not restored", path, len(ranks), self.collectives.size)
+            self._warn("%s was written by %d process(es), this run has %d: data position, random state "
+                       "and each rank's gradient state (low rank's error) not restored", path, len(ranks),
+                       self.collectives.size)
             return
         mine = ranks[self.collectives.rank]
         set_window(mine.get("loss_window"))
@@ -898,7 +900,6 @@ class Solver:
             if self.is_root:
                 parts = [self._loaded_blobs[r["sync_blobs"][0]:sum(r["sync_blobs"])] for r in ranks]
             self._pending_sync_state = _arrays_in(mine.get("sync"), self.collectives.scatter_object(parts))
-        self._loaded_blobs = None
         if mine.get("rng"):
             common.set_rng_state(_rng_state_from_json(mine["rng"]))
         self.net.set_data_state(mine.get("train_data") or {})
