@@ -12,6 +12,7 @@ RUNS = [
     ["data_throughput.py"],
     ["data_wait.py"],
     ["scaling.py", "--unpaired"],
+    ["sum_latency.py", "--runs", "1"],
     ["memory.py", "--no-search"],
 ]
 

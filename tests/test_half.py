@@ -82,3 +82,23 @@ def test_conversions_release_the_gil():
     x = np.random.default_rng(0).standard_normal(1 << 24).astype(np.float32)
     out = np.empty(x.size, np.float16)
     assert min(stall_shares(lambda: half.to_half(x, 1.0, out))) < 0.5
+
+
+@compiled
+@pytest.mark.parametrize("ranks", [1, 3])
+def test_sum_halves_scales_each_row_and_the_sum_and_takes_strided_rows(ranks, flush_mode):
+    """Each rank's piece times its own scale, the float32 sum times the
+    result's scale, rounded once; rows may be strided (a value rides after
+    each piece, as the exchange sends it)."""
+    n = 1000
+    rows = np.stack([expected_half(values(n + 1, 7 * r + 1), 2.0 ** -2) for r in range(ranks)])
+    pieces = rows[:, :n]
+    scales = (np.float32(2.0) ** np.arange(-3, -3 + ranks)).astype(np.float32)
+    out = np.empty(n, np.float16)
+    half.sum_halves(pieces, out, scales, 2.0 ** -1)
+    total = pieces[0].astype(np.float32) * scales[0]
+    for piece, scale in zip(pieces[1:], scales[1:]):
+        total += piece.astype(np.float32) * scale
+    with np.errstate(over="ignore", invalid="ignore"):
+        expected = (total * np.float32(0.5)).astype(np.float16)
+    assert np.array_equal(out.view(np.uint16), expected.view(np.uint16))

@@ -25,18 +25,18 @@ _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 # name: (ctypes arguments, the array types it takes in argument order)
 _KERNELS = {"to_half": ((_P, _P, _I, _F), (np.float32, np.float16)),
             "from_half": ((_P, _P, _I, _F), (np.float16, np.float32)),
-            "sum_halves": ((_P, _P, _I, _I), (np.float16, np.float16))}
+            "sum_halves": ((_P, _P, _I, _I, _I, _P, _F), (np.float16, np.float16))}
 
 
 def _elementwise(m, name, arguments, body):
-    """name(src, dst, n, extra): dst[i:i+w] = body(b, src, i, w, n, extra)
+    """name(src, dst, n, *extra): dst[i:i+w] = body(b, src, i, w, n, *extra)
     for blocks of BLOCK values, then value by value."""
     fn, b = m.function(name, arguments)
-    src, dst, n, extra = fn.args
+    src, dst, n, *extra = fn.args
     whole = b.sdiv(n, m.const(BLOCK))
 
     def run(lanes, at):
-        m.store_vector(b, body(b, src, at, lanes, n, extra), dst, at)
+        m.store_vector(b, body(b, src, at, lanes, n, *extra), dst, at)
     m.counted(b, whole, lambda i, _: run(BLOCK, b.mul(i, m.const(BLOCK))))
     first = b.mul(whole, m.const(BLOCK))
     m.counted(b, b.sub(n, first), lambda i, _: run(1, b.add(first, i)))
@@ -56,16 +56,17 @@ def _ir():
     def from_half(b, src, at, lanes, n, scale):
         return b.fmul(b.fpext(m.vector_at(b, src, at, lanes), vectors(m.f32, lanes)), m.spread(b, scale, lanes))
 
-    def sum_halves(b, src, at, lanes, n, ranks):
+    def sum_halves(b, src, at, lanes, n, ranks, stride, scales, out_scale):
         def piece(r):
-            return b.fpext(m.vector_at(b, src, b.add(b.mul(r, n), at), lanes), vectors(m.f32, lanes))
+            wide = b.fpext(m.vector_at(b, src, b.add(b.mul(r, stride), at), lanes), vectors(m.f32, lanes))
+            return b.fmul(wide, m.spread(b, b.load(b.gep(scales, [r])), lanes))
         total = m.counted(b, b.sub(ranks, m.const(1)),
                           lambda r, acc: [b.fadd(acc[0], piece(b.add(r, m.const(1))))], [piece(m.const(0))])
-        return b.fptrunc(total[0], vectors(m.f16, lanes))
+        return b.fptrunc(b.fmul(total[0], m.spread(b, out_scale, lanes)), vectors(m.f16, lanes))
 
     _elementwise(m, "to_half", [m.fp, m.hp, m.i64, m.f32], to_half)
     _elementwise(m, "from_half", [m.hp, m.fp, m.i64, m.f32], from_half)
-    _elementwise(m, "sum_halves", [m.hp, m.hp, m.i64, m.i64], sum_halves)
+    _elementwise(m, "sum_halves", [m.hp, m.hp, m.i64, m.i64, m.i64, m.fp, m.f32], sum_halves)
     return str(m.module)
 
 
@@ -113,14 +114,20 @@ def from_half(src, scale, out):
         kernel(src.ctypes.data, out.ctypes.data, src.size, scale)
 
 
-def sum_halves(pieces, out):
+def sum_halves(pieces, out, scales=None, out_scale=1.0):
     """out[...] = the float32 sum, in row order, of ``pieces`` (ranks x n
-    float16), rounded to float16 (``out``: n C-contiguous float16)."""
-    kernel = _kernel("sum_halves", pieces, out)
+    float16, each row contiguous) each widened and times its row's
+    ``scales`` (float32; default 1), times ``out_scale``, rounded to float16
+    (``out``: n C-contiguous float16)."""
+    scales = np.ones(len(pieces), np.float32) if scales is None else np.asarray(scales, np.float32)
+    rows_contiguous = pieces.ndim == 2 and pieces.strides[1] == pieces.itemsize and pieces.strides[0] % 2 == 0
+    kernel = _kernel("sum_halves", pieces[0] if rows_contiguous else pieces, out)
     if kernel is None:
-        total = pieces[0].astype(np.float32)
-        for piece in pieces[1:]:
-            total += piece
-        out.reshape(-1)[...] = total
+        total = pieces[0].astype(np.float32) * scales[0]
+        for piece, scale in zip(pieces[1:], scales[1:]):
+            total += piece.astype(np.float32) * scale
+        with np.errstate(over="ignore"):
+            out.reshape(-1)[...] = total * np.float32(out_scale)
     else:
-        kernel(pieces.ctypes.data, out.ctypes.data, out.size, len(pieces))
+        kernel(pieces.ctypes.data, out.ctypes.data, out.size, len(pieces), pieces.strides[0] // 2,
+               scales.ctypes.data, out_scale)

@@ -2,16 +2,18 @@
 the ranks' pieces are added by the compressor, not by MPI, which has no
 float16 addition in float32.
 
-:class:`CompressedExchange` sums a buffer over one communicator in three
-non-blocking steps.  The ranks agree on the buffer's largest magnitude
-(``MPI_Iallreduce`` of one float, MAX), from which the compressor picks the
-scale (:meth:`Compressor.agreed_scale`).  The buffer, compressed with it, is
-cut into one piece per rank and the pieces are exchanged
-(``MPI_Ialltoallv``: rank r receives every rank's piece r); rank r adds them
-(:meth:`Compressor.sum`, in rank order), and the summed pieces are gathered
-back (``MPI_Iallgatherv``), then decompressed with the mean folded in.  Each
-rank sends 2(P-1)/P of the buffer's wire bytes, as a ring allreduce does,
-and every rank ends with the same values.
+:class:`CompressedExchange` sums a buffer over one communicator in two
+non-blocking steps.  Each rank compresses its buffer with its own scale
+(:meth:`Compressor.piece_scale`), cuts it into one piece per rank and sends
+every piece with that scale's exponent after it (``MPI_Ialltoallv``: rank r
+receives every rank's piece r); rank r adds them (:meth:`Compressor.sum`,
+each unscaled by its sender's scale, in rank order) and compresses the sum
+with the smallest of the scales, which every rank has received and so
+derives alike; the summed pieces are gathered back (``MPI_Iallgatherv``)
+and decompressed with the mean folded in.  Each rank sends 2(P-1)/P of the
+buffer's wire bytes (and P exponents), as a ring allreduce does, every rank
+ends with the same values, and no collective agrees on a scale first (a
+third step, whose latency a small bucket's sum paid in full).
 
 :class:`ExchangeTransport` runs it over all ranks, its steps issued in
 bucket order on every rank (chained.ChainedTransport), polled by the
@@ -24,55 +26,71 @@ import numpy as np
 from .chained import ChainedTransport
 
 
+class _Layout:
+    """How a buffer of ``n`` values is cut (one piece per rank) and where
+    the pieces and their exponents lie in the two messages; the same for
+    every bucket of that size, so it is made once."""
+
+    def __init__(self, n, rank, size):
+        self.counts = np.array([n // size + (r < n % size) for r in range(size)], np.int64)
+        self.displs = np.concatenate([[0], np.cumsum(self.counts)[:-1]]).astype(np.int64)
+        # sent: piece q then its exponent, for each q
+        self.send = (self.counts + 1, self.displs + np.arange(size))
+        self.slots = self.send[1] + self.counts             # where each exponent goes
+        self.pieces = [(slice(d, d + c), slice(d + q, d + q + c))
+                       for q, (d, c) in enumerate(zip(self.displs.tolist(), self.counts.tolist()))]
+        self.mine = int(self.counts[rank])
+        self.recv = (np.full(size, self.mine + 1, np.int64), np.arange(size, dtype=np.int64) * (self.mine + 1))
+
+
 class CompressedExchange:
-    """The three steps of a compressed sum over ``comm`` (mpi4py), a chain's
+    """The two steps of a compressed sum over ``comm`` (mpi4py), a chain's
     state kept on the chain (``buf``, ``step``)."""
-    steps = 3            # agree on the scale, exchange the pieces, gather the summed pieces
+    steps = 2            # exchange the pieces, gather the summed pieces
 
     def __init__(self, MPI, comm, compressor):
         self.MPI = MPI
         self.compressor = compressor
         # a communicator a step (chained.py)
-        self.scale_comm, self.exchange_comm, self.gather_comm = (comm.Dup() for _ in range(3))
+        self.exchange_comm, self.gather_comm = (comm.Dup() for _ in range(2))
         self.rank, self.size = comm.Get_rank(), comm.Get_size()
         from mpi4py.util import dtlib       # mpi4py only under MPI
         self.wire_type = dtlib.from_numpy_dtype(compressor.wire_view)
+        self._layouts = {}                  # values -> _Layout
 
     def issue(self, c, step):
-        """Start ``step`` (0, 1, 2) of the sum of ``c.buf``; returns its request."""
-        view, u = self.compressor.wire_view, self.wire_type
+        """Start ``step`` (0, 1) of the sum of ``c.buf``; returns its request."""
+        view, u, wire = self.compressor.wire_view, self.wire_type, self.compressor.wire_dtype
         if step == 0:
             n = c.buf.size
-            c.counts = np.array([n // self.size + (r < n % self.size) for r in range(self.size)], np.int64)
-            c.displs = np.concatenate([[0], np.cumsum(c.counts)[:-1]]).astype(np.int64)
-            c.largest = np.array([self.compressor.largest(c.buf)], np.float32)
-            return self.scale_comm.Iallreduce(self.MPI.IN_PLACE, c.largest, op=self.MPI.MAX)
-        wire = self.compressor.wire_dtype
-        mine = int(c.counts[self.rank])
-        if step == 1:
-            c.wire_scale = self.compressor.agreed_scale(float(c.largest[0]), self.size)
-            c.send = np.empty(c.buf.size, wire)
-            self.compressor.compress(c.buf, c.wire_scale, c.send)
-            c.pieces = np.empty(self.size * mine, wire)
-            recv_counts = np.full(self.size, mine, np.int64)
-            recv_displs = np.arange(self.size, dtype=np.int64) * mine
-            return self.exchange_comm.Ialltoallv([c.send.view(view), (c.counts, c.displs), u],
-                                                 [c.pieces.view(view), (recv_counts, recv_displs), u])
-        # the pieces are in: add them, in rank order
-        c.mine = np.empty(mine, wire)
-        self.compressor.sum(c.pieces.reshape(self.size, mine), c.mine)
+            layout = c.layout = self._layouts.get(n) or self._layouts.setdefault(n, _Layout(n, self.rank, self.size))
+            flat = c.buf.reshape(-1)
+            scale = self.compressor.piece_scale(self.compressor.largest(flat), self.size)
+            c.send = np.empty(n + self.size, wire)
+            for values, at in layout.pieces:
+                self.compressor.compress(flat[values], scale, c.send[at])
+            c.send[layout.slots] = self.compressor.exponent(scale)
+            c.received = np.empty((self.size, layout.mine + 1), wire)
+            return self.exchange_comm.Ialltoallv([c.send.view(view), layout.send, u],
+                                                 [c.received.view(view), layout.recv, u])
+        # the pieces are in: add them, each unscaled, in rank order
+        scales = self.compressor.scales(c.received[:, -1])
+        c.wire_scale = self.compressor.sum_scale(scales)
+        c.mine = np.empty(c.layout.mine, wire)
+        self.compressor.sum(c.received[:, :-1], scales, c.wire_scale, c.mine)
         c.out = np.empty(c.buf.size, wire)
-        return self.gather_comm.Iallgatherv([c.mine.view(view), u], [c.out.view(view), (c.counts, c.displs), u])
+        return self.gather_comm.Iallgatherv([c.mine.view(view), u],
+                                            [c.out.view(view), (c.layout.counts, c.layout.displs), u])
 
     def result(self, c, scale):
-        """The sum, times ``scale``, into ``c.buf`` (after step 2 completed)."""
+        """The sum, times ``scale``, into ``c.buf`` (after step 1 completed)."""
         self.compressor.decompress(c.out, scale / c.wire_scale, c.buf)
 
     def close(self):
-        for comm in (self.scale_comm, self.exchange_comm, self.gather_comm):
+        for comm in (self.exchange_comm, self.gather_comm):
             if comm is not None:
                 comm.Free()
-        self.scale_comm = self.exchange_comm = self.gather_comm = None
+        self.exchange_comm = self.gather_comm = None
 
 
 class ExchangeTransport(ChainedTransport):

@@ -9,7 +9,7 @@ shared memory), the first ranks of the hosts sum across hosts
 host's whole sum), and the host's first rank broadcasts the result back
 (``MPI_Ibcast``).  With a compressor (``--comm_dtype=fp16``) only the sum
 across hosts is compressed (exchange.CompressedExchange over the first
-ranks, three steps instead of one): the host's sums stay float32, so the
+ranks, two steps instead of one): the host's sums stay float32, so the
 result has one float16 rounding of the hosts' sums, not of each rank's
 gradient (other bits than ``overlap``'s float16 sums).  Each step has its
 own communicator, and every rank issues the steps of the buckets in bucket

@@ -16,11 +16,11 @@ finish backward together, so the first one done has time to spare: it sums.
   all of the bucket's chunks are done, it copies the result out.
 
 With a compressor (``--comm_dtype=fp16``), each rank also writes its
-bucket's largest magnitude beside its ready flag; the summing rank takes
-the scale from the largest of all (as the exchange transport's MAX does),
-compresses each rank's chunk with it, adds the pieces with the compressor
-(rank order) into the result area in wire form, and every rank
-decompresses its copy: the same bits as ``transports.exchange``'s sums.
+bucket's largest magnitude beside its ready flag; the summing rank
+compresses each rank's chunk with that rank's scale, adds the pieces with
+the compressor (rank order) into the result area in wire form, under the
+scale every rank derives from all of them, and every rank decompresses its
+copy: the same arithmetic, and bits, as ``transports.exchange``'s sums.
 
 A round is one iteration's buckets; a segment and the result area are
 written again only once every rank has flagged that it copied the last
@@ -219,8 +219,9 @@ class SharedMemoryTransport(Transport):
         segs = [self._view(d, b) for d in self.data]
         add, wire_scale = self._add, 1.0
         if self.compressor is not None:
-            wire_scale = self.compressor.agreed_scale(max(float(g[b.slot]) for g in self.largest), self.size)
-            add = self._compressed_adder(wire_scale, per)
+            scales = [self.compressor.piece_scale(float(g[b.slot]), self.size) for g in self.largest]
+            wire_scale = self.compressor.sum_scale(scales)
+            add = self._compressed_adder(scales, wire_scale, per)
         out = self._view(self.result, b, None if self.compressor is None else self.compressor.wire_dtype)
         first = b.chunks * self.rank // self.size
         for j in range(b.chunks):
@@ -247,18 +248,19 @@ class SharedMemoryTransport(Transport):
                 acc += piece
             out[...] = acc
 
-    def _compressed_adder(self, wire_scale, per):
+    def _compressed_adder(self, scales, wire_scale, per):
         """An ``_add`` for the compressor: each rank's piece compressed with
-        ``wire_scale``, the pieces added by the compressor into ``out``."""
+        its rank's scale, the pieces added by the compressor into ``out``
+        under ``wire_scale`` (the exchange transport's arithmetic)."""
         stack = np.empty(self.size * per, self.compressor.wire_dtype)
 
         def add(pieces, out):
             rows = stack[:self.size * len(out)].reshape(self.size, len(out))
-            for row, piece in zip(rows, pieces):
-                self.compressor.compress(piece, wire_scale, row)
+            for row, piece, scale in zip(rows, pieces, scales):
+                self.compressor.compress(piece, scale, row)
             # partial sums stay private, as in _add
             total = np.empty(len(out), out.dtype)
-            self.compressor.sum(rows, total)
+            self.compressor.sum(rows, scales, wire_scale, total)
             out[...] = total
         return add
 

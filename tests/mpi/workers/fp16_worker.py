@@ -10,8 +10,26 @@ import sys
 import numpy as np
 
 from caffempi.parallel.comm import get_world
+from caffempi.parallel.compression import Float16
 from caffempi.parallel.rank import install_abort_handlers
 from caffempi.parallel.transports import make_transport
+
+
+def own_scales(world, t, it):
+    """Each rank's piece rounded under its own scale, which travels with it
+    (no agreement on one first): rank r's values are 2^(4r) times rank 0's,
+    so the ranks' scales differ, and the sum has exactly these bits."""
+    rng = np.random.RandomState(7 + it)
+    values = [(rng.standard_normal(999) * 2.0 ** (4 * r - 12)).astype(np.float32) for r in range(world.size)]
+    fp16 = Float16()
+    scales = [fp16.piece_scale(fp16.largest(v), world.size) for v in values]
+    total = sum((v * np.float32(s)).astype(np.float16).astype(np.float32) * np.float32(1 / s)
+                for v, s in zip(values, scales))
+    low = min(scales)
+    want = (total * np.float32(low)).astype(np.float16).astype(np.float32) * np.float32(0.5 / low)
+    buf = values[world.rank].copy()
+    t.wait(t.allreduce_start(buf, 0.5))
+    assert np.array_equal(buf, want), (it, np.abs(buf - want).max())
 
 
 def main():
@@ -45,6 +63,7 @@ def main():
         np.testing.assert_allclose(tiny, tiny_total, rtol=0, atol=2e-3 * np.abs(tiny_total).max())
         everyone = world.allgather(noisy.tobytes())
         assert all(e == everyone[0] for e in everyone), "ranks differ"
+        own_scales(world, t, it)
     t.close()
     if world.rank == 0:
         print("FP16 OK")
