@@ -10,14 +10,17 @@ registers for the whole reduction (measurements: docs/design/cpu.md).
 
 The kernel.  A tile is ``OUT_BLOCK`` output channels (two 8-float vectors)
 by up to ``PIXELS`` neighbouring outputs of one output row; its 2 x PIXELS
-sums stay in registers while it runs over the whole reduction (input channel,
+sums stay in registers while it runs over the reduction (input channel,
 kernel row, kernel column): per step two weight vectors, one broadcast input
 value per pixel and 2 x PIXELS fused multiply-adds (15 of AVX2's 16 vector
-registers).  The reduction's input offsets come from a table, so strides,
+registers).  The sums start from zero every :data:`REDUCTION_BLOCK` steps,
+added to running totals between the runs, and the bias is added last (as
+accurate as the GEMM path or more; a single sum over the whole reduction
+was not).  The reduction's input offsets come from a table, so strides,
 dilation and padding (the input arrives padded) are all the same code; a
 group is a call of its own.  The weights are reordered to (group, block of
 OUT_BLOCK outputs, reduction, OUT_BLOCK), zero-filled past O/group; sums
-past O/group are not stored.  Each output is one sum in a fixed order, so
+past O/group are not stored.  Each output is summed in a fixed order, so
 results do not depend on how images are split over threads; they differ
 from the GEMM kernels' in the last bits (another summation order).
 
@@ -36,6 +39,14 @@ from . import llvm
 VECTOR = 8          # float32 lanes of an AVX2 register
 OUT_BLOCK = 2 * VECTOR
 PIXELS = 6
+#: terms of the reduction summed from zero in registers before they are
+#: added to the running totals (also in registers), and the bias added
+#: last: one sum over a whole reduction, from the bias, was 1.5-3.8 times
+#: less accurate than the GEMM path, whose products sum a kernel row or a
+#: cache block at a time; runs of 32 are more accurate than it on every
+#: shape the kernel takes (tests/layers/test_conv_direct.py,
+#: docs/design/cpu.md)
+REDUCTION_BLOCK = 32
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -67,31 +78,45 @@ class _Builder(llvm.Builder):
 
 
 def _forward_tile(m, r):
-    """tile(x, w, bias, y, koff, K, sw, p, valid): y[o*p + t] = bias[o] +
-    sum over k of w[k*OUT_BLOCK + o] * x[koff[k] + t*sw], for the r pixels t
-    and the outputs o < valid."""
+    """tile(x, w, bias, y, koff, K, sw, p, valid): y[o*p + t] = (sum over k
+    of w[k*OUT_BLOCK + o] * x[koff[k] + t*sw]) + bias[o], for the r pixels t
+    and the outputs o < valid; the sum in runs of REDUCTION_BLOCK terms,
+    each run's partial sums added to running totals, the bias last (see
+    :data:`REDUCTION_BLOCK`)."""
     fn, b = m.function("forward%d" % r, [m.fp] * 4 + [m.ip] + [m.i64] * 4, internal=True)
     x, w, bias, y, koff, k_len, sw, p, valid = fn.args
-    start = [m.vector_at(b, bias, m.const(v * VECTOR)) for v in range(2)]
     pixel = [b.mul(sw, m.const(t)) for t in range(r)]
+    block = m.const(REDUCTION_BLOCK)
+    zero = m.ir.Constant(m.vec, [0.0] * VECTOR)
 
-    def step(k, sums):
-        offset = b.load(b.gep(koff, [k]))
-        wk = b.mul(k, m.const(OUT_BLOCK))
-        weights = [m.vector_at(b, w, b.add(wk, m.const(v * VECTOR))) for v in range(2)]
-        out = []
-        for t in range(r):
-            spread = m.spread(b, b.load(b.gep(x, [b.add(offset, pixel[t])])))
-            out += [b.call(m.fma, [spread, weights[v], sums[2 * t + v]]) for v in range(2)]
-        return out
-    sums = m.counted(b, k_len, step, start * r)
+    def run(j, totals):
+        """Terms j*REDUCTION_BLOCK on, up to REDUCTION_BLOCK of them, summed
+        from zero, then added to ``totals``."""
+        first = b.mul(j, block)
+
+        def step(i, sums):
+            k = b.add(first, i)
+            offset = b.load(b.gep(koff, [k]))
+            wk = b.mul(k, m.const(OUT_BLOCK))
+            weights = [m.vector_at(b, w, b.add(wk, m.const(v * VECTOR))) for v in range(2)]
+            out = []
+            for t in range(r):
+                spread = m.spread(b, b.load(b.gep(x, [b.add(offset, pixel[t])])))
+                out += [b.call(m.fma, [spread, weights[v], sums[2 * t + v]]) for v in range(2)]
+            return out
+        sums = m.counted(b, m.smaller(b, b.sub(k_len, first), block), step, [zero] * (2 * r))
+        return [b.fadd(total, s) for total, s in zip(totals, sums)]
+
+    totals = m.counted(b, b.sdiv(b.add(k_len, m.const(REDUCTION_BLOCK - 1)), block), run, [zero] * (2 * r))
+    bias_vectors = [m.vector_at(b, bias, m.const(v * VECTOR)) for v in range(2)]
+    totals = [b.fadd(total, bias_vectors[i % 2]) for i, total in enumerate(totals)]
     for o in range(OUT_BLOCK):
         store, after = fn.append_basic_block(), fn.append_basic_block()
         b.cbranch(b.icmp_signed("<", m.const(o), valid), store, after)
         b.position_at_end(store)
         row = b.mul(m.const(o), p)
         for t in range(r):
-            lane = b.extract_element(sums[2 * t + o // VECTOR], m.ir.Constant(m.i32, o % VECTOR))
+            lane = b.extract_element(totals[2 * t + o // VECTOR], m.ir.Constant(m.i32, o % VECTOR))
             b.store(lane, b.gep(y, [b.add(row, m.const(t))]))
         b.branch(after)
         b.position_at_end(after)

@@ -104,3 +104,57 @@ def test_lets_other_threads_run():
     weights = rand((32, 32, 5, 5), 1)
     shares = stall_shares(lambda: cpu.conv2d_forward(x, weights, (5, 5, 1, 1, 2, 2, 1, 1), 1))
     assert min(shares) < 0.5, shares
+
+
+# The direct kernel's shapes in CIFAR10-quick, CaffeNet and ResNet-50
+# (images, channels, h, w, outputs, kernel, stride, pad), the images smaller
+# where the error does not depend on their size, and one of LeNet's at 32
+# outputs (LeNet's own take the GEMMs: below): its error against float64
+# must be no worse than the GEMM path's (10% slack), in the forward and,
+# where it computes one, the data gradient (issue 40).
+NET_SHAPES = {
+    "cifar10_quick conv1": (4, 3, 32, 32, 32, 5, 1, 2),
+    "cifar10_quick conv2": (4, 32, 16, 16, 32, 5, 1, 2),
+    "cifar10_quick conv3": (4, 32, 8, 8, 64, 5, 1, 2),
+    "lenet conv2 at 32 outputs": (8, 20, 12, 12, 32, 5, 1, 0),
+    "caffenet conv1": (1, 3, 115, 115, 96, 11, 4, 0),
+    "resnet50 conv1": (1, 3, 112, 112, 64, 7, 2, 3),
+    "resnet50 res2 3x3": (2, 64, 28, 28, 64, 3, 1, 1),
+    "resnet50 res3a 3x3 stride 2": (2, 128, 28, 28, 128, 3, 2, 1),
+    "resnet50 res3a projection": (2, 256, 28, 28, 512, 1, 2, 0),
+    "resnet50 res5a projection": (2, 1024, 14, 14, 2048, 1, 2, 0),
+}
+
+
+def _errors(got, want):
+    e = got - want
+    return float(np.sqrt((e * e).mean())), float(np.abs(e).max())
+
+
+def test_lenet_convolutions_take_the_gemm_path():
+    assert not direct.suits(1, 20, (5, 5, 1, 1))        # conv1: 25 taps
+    assert not direct.suits(20, 50, (5, 5, 1, 1))       # conv2: 50 outputs, not whole blocks of 16
+
+
+@pytest.mark.parametrize("name", sorted(NET_SHAPES))
+def test_as_accurate_as_the_gemm_path(name):
+    n, c, h, w, o, k, stride, pad = NET_SHAPES[name]
+    geom = (k, k, stride, stride, pad, pad, 1, 1)
+    assert direct.suits(c, o, geom[:4]), "%s no longer takes the direct kernel" % name
+    rng = np.random.RandomState(0)
+    x = rng.standard_normal((n, c, h, w)).astype(np.float32)
+    weights = (rng.standard_normal((o, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
+    bias = rng.standard_normal(o).astype(np.float32)
+    wide = [a.astype(np.float64) for a in (x, weights, bias)]
+    y_ref = cpu.conv2d_forward(wide[0], wide[1], geom, 1, wide[2])
+    dy = rng.standard_normal(y_ref.shape).astype(np.float32)
+    dx_ref, _ = cpu.conv2d_backward(wide[0], wide[1], dy.astype(np.float64), geom, 1, need_dw=False)
+    errors = {}
+    for path, on in (("direct", True), ("gemm", False)):
+        with using_config(direct_conv=on):
+            y = cpu.conv2d_forward(x, weights, geom, 1, bias)
+            dx, _ = cpu.conv2d_backward(x, weights, dy, geom, 1, need_dw=False)
+        errors[path] = {"forward": _errors(y, y_ref), "data gradient": _errors(dx, dx_ref)}
+    for what in ("forward", "data gradient"):
+        (rms, top), (gemm_rms, gemm_top) = errors["direct"][what], errors["gemm"][what]
+        assert rms <= 1.1 * gemm_rms and top <= 1.1 * gemm_top, (what, errors)
