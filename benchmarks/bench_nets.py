@@ -1,7 +1,8 @@
 """The nets that the speed benchmarks train (net_speed.py on the CPU,
 gpu_speed.py on a GPU), as trainable NetParameters with their data layers
 replaced: LeNet and CIFAR10-quick from models/, CaffeNet and AlexNet from
-BVLC's train_val prototxts and ResNet-50 from its deploy prototxt in
+BVLC's train_val prototxts (GoogLeNet's with its two auxiliary losses) and
+ResNet-50 from its deploy prototxt in
 ../shared/caffe-zoo (plus labels and a SoftmaxWithLoss)."""
 import sys
 from pathlib import Path
@@ -17,6 +18,7 @@ NETS = {
     "caffenet": ("CaffeNet", "bvlc/models/bvlc_reference_caffenet/train_val.prototxt", (3, 227, 227), 8),
     "alexnet": ("AlexNet", "bvlc/models/bvlc_alexnet/train_val.prototxt", (3, 227, 227), 256),
     "resnet50": ("ResNet-50", "resnet/ResNet-50-deploy.prototxt", (3, 224, 224), 32),
+    "googlenet": ("GoogLeNet", "bvlc/models/bvlc_googlenet/train_val.prototxt", (3, 224, 224), 32),
 }
 
 

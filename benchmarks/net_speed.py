@@ -1,6 +1,6 @@
 """CPU training speed: caffempi against BVLC Caffe and PyTorch, side by side.
 
-    python benchmarks/net_speed.py [--nets lenet,cifar,caffenet:8,caffenet:32,resnet50:8]
+    python benchmarks/net_speed.py [--nets lenet,cifar,caffenet:8,caffenet:32,resnet50:8,googlenet:8]
         [--threads 1,2] [--rounds 3] [--iterations N] [--caffe PATH] [--torch]
         [--baseline DIR] [--layers] [--memory reuse] [--json FILE]
 
@@ -50,7 +50,7 @@ from bench_nets import NETS, ZOO, net_param, random_inputs, with_dummy_data  # n
 
 DEFAULT_NETS = "lenet,cifar,caffenet:8,caffenet:32,resnet50:8"
 # forward-backward passes timed per run, by net (after warm-up passes)
-DEFAULT_ITERATIONS = {"lenet": 50, "cifar": 20, "caffenet": 5, "alexnet": 3, "resnet50": 3}
+DEFAULT_ITERATIONS = {"lenet": 50, "cifar": 20, "caffenet": 5, "alexnet": 3, "resnet50": 3, "googlenet": 3}
 AVERAGE = re.compile(r"Average Forward-Backward: ([0-9.]+) ms")
 LAYER = re.compile(r"\]\s+(\S+)\s+(forward|backward): ([0-9.]+) ms")
 
