@@ -296,6 +296,25 @@ def test_powersgd_trains_with_its_plan_and_composes_with_factors(data_dir, refer
 
 
 @needs_mpi
+def test_powersgd_at_full_rank_is_clipped_and_decayed_as_the_exact_sum(data_dir):
+    """Clipping (clip_gradients) and weight decay act on the decompressed
+    mean, as on the exact one: at full rank (rank 20 >= every weight's
+    smaller side) low rank trains as the exact sum does, with clipping that
+    binds (the unclipped run ends elsewhere)."""
+    outs = {}
+    for name, args in (("exact", ["clip=0.05"]),
+                       ("full", ["clip=0.05", "compress=powersgd:20", "lowrank_use=all"]), ("unclipped", [])):
+        outs[name] = data_dir / ("psclip_%s.npz" % name)
+        p = mpirun(2, [W, data_dir, 12, 6, "out=%s" % outs[name], "prefix=psclip" + name, "link_gbps=0.001",
+                       "comm=overlap"] + args)
+        if name == "full":
+            assert p.stderr.count(": low rank\n") == 3, p.stderr
+    exact, full, unclipped = (np.load(outs[k])["w"] for k in ("exact", "full", "unclipped"))
+    np.testing.assert_allclose(full, exact, rtol=0, atol=2e-6)
+    assert not np.allclose(unclipped, exact, rtol=0, atol=1e-3)
+
+
+@needs_mpi
 @pytest.mark.parametrize("fmt", ["binary", "hdf5"])
 def test_powersgd_resume_continues_bitwise(data_dir, fmt):
     """A snapshot carries each rank's Q, error and step count (the first

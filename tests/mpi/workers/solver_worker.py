@@ -7,7 +7,8 @@ keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
       host that does not share rank 0's files), fail_rank, fail_iter,
       fail_kind (raise|nan|kill|snapshot|hang: stops taking part, as a rank
       behind a dead link), comm_timeout, sfb (off|on|auto), comm_dtype, sync, tau, test_interval, after_train
-      snapshot_format (hdf5), compress, compress_start_iter, link_gbps (the plan's link; gemm_gflops 50 with it)
+      snapshot_format (hdf5), compress, compress_start_iter, link_gbps (the plan's link; gemm_gflops 50 with it),
+      clip (the solver's clip_gradients), lowrank_use (auto|all: every weight on low rank, whatever the plan)
       (0: no snapshot_after_train),
       out (npz written by rank 0), each (npz path with %d: every rank writes its
       iteration, weights and EASGD centre when it stops, also on an error)
@@ -77,6 +78,10 @@ def main():
                                                 link_gbps=float(kw.get("link_gbps", 0)),
                                                 gemm_gflops=50.0 if kw.get("link_gbps") else 0.0))
 
+    for plugin in getattr(sync, "plugins", ()):
+        if kw.get("lowrank_use") and hasattr(plugin, "use"):
+            plugin.use = kw["lowrank_use"]
+
     def run():
         from google.protobuf import text_format
         from caffempi.proto import caffe_pb2
@@ -91,6 +96,8 @@ def main():
             "snapshot": int(kw.get("snapshot", 0)),
             "prefix": os.path.join(d, kw.get("prefix", "snap"))}, p)
         p.snapshot_after_train = kw.get("after_train", "1") != "0"
+        if kw.get("clip"):
+            p.clip_gradients = float(kw["clip"])
         if kw.get("snapshot_format") == "hdf5":
             p.snapshot_format = caffe_pb2.SolverParameter.HDF5
         if kw.get("other_cwd") and world.rank:
