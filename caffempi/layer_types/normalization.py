@@ -1,5 +1,6 @@
 """Normalization layers: BatchNorm (per-channel statistics over the batch)
 and MVN (per-sample mean/variance normalization)."""
+from ..backend import kernels
 from ..common import TEST
 from ..proto import caffe_pb2
 from .base import Layer, register
@@ -79,15 +80,17 @@ class BatchNormLayer(Layer):
             var = self.blobs[1].data * inv
         else:
             mean = x.mean(axis=(0, 2))
-            var = ((x - mean[None, :, None]) ** 2).mean(axis=(0, 2))
             m = x.size // self.channels
+            centered = x - mean[None, :, None]
+            var = kernels.channel_dot(xp, centered, centered) / self.dtype.type(m)
             correction = m / (m - 1.0) if m > 1 else 1.0
             maf = self.maf
             self.blobs[2].data = self.blobs[2].data * maf + 1
             self.blobs[0].data = self.blobs[0].data * maf + mean
             self.blobs[1].data = self.blobs[1].data * maf + correction * var
         self._std = xp.sqrt(var + self.dtype.type(self.eps))[None, :, None]
-        y = (x - mean[None, :, None]) / self._std
+        y = x - mean[None, :, None] if self.use_global_stats else centered
+        y /= self._std
         # Backward needs y; keep a private copy since an in-place successor may
         # overwrite top's data (as Caffe keeps x_norm_).
         self._y = y
@@ -104,7 +107,7 @@ class BatchNormLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         dy = self._view(top[0].diff)
         if self.scale_bias:
-            self.blobs[3].diff += (dy * self._y).sum(axis=(0, 2))
+            self.blobs[3].diff += kernels.channel_dot(self.xp, dy, self._y)
             self.blobs[4].diff += dy.sum(axis=(0, 2))
             dy = dy * self._per_channel(3)
         if not propagate_down[0]:
@@ -112,7 +115,15 @@ class BatchNormLayer(Layer):
         if self.use_global_stats:
             dx = dy / self._std
         else:
-            dx = _normalize_backward(dy, self._y, (0, 2)) / self._std
+            # _normalize_backward's formula in four passes and no temporaries
+            # (BatchNorm's share of a ResNet step is its passes over memory)
+            y, m = self._y, dy.size // self.channels
+            mean_dy = dy.sum(axis=(0, 2))[None, :, None] / self.dtype.type(m)
+            mean_dyy = kernels.channel_dot(self.xp, dy, y)[None, :, None] / self.dtype.type(m)
+            dx = y * -mean_dyy
+            dx += dy
+            dx -= mean_dy
+            dx /= self._std
         bottom[0].diff = dx.reshape(bottom[0].shape)
 
 
