@@ -1,6 +1,7 @@
 """Scale and Bias: multiply / add an operand (a parameter or a second bottom)
 that covers axes [axis, axis + operand.ndim) of bottom[0] and is broadcast
 over the others."""
+from ..backend import kernels
 from .base import Layer, register
 
 
@@ -119,7 +120,7 @@ class ScaleLayer(Layer):
             self.blobs[self.bias_index].diff += _reduce(dy, self.bias_dims).reshape(
                 self.blobs[self.bias_index].shape)
         if len(bottom) == 1 or propagate_down[1]:
-            dscale = _reduce(dy * x, self.dims).reshape(scale.shape)
+            dscale = kernels.channel_dot(self.xp, dy.reshape(self.dims), x.reshape(self.dims)).reshape(scale.shape)
             if len(bottom) == 1:
                 scale.diff += dscale
             else:
