@@ -104,8 +104,10 @@ class ScaleLayer(Layer):
 
     def forward(self, bottom, top):
         x = bottom[0].data
-        # In place, keep the input for the scale's gradient.
-        self._x = x.copy() if top[0] is bottom[0] else None
+        # In place, keep the input for the scale's gradient: the array itself
+        # where top's data is rebound to the output, a copy where the memory
+        # plan binds the blob (the output is written into it)
+        self._x = (x.copy() if top[0].bound else x) if top[0] is bottom[0] else None
         outer, dim, inner = self.dims
         y = x.reshape(self.dims) * self._scale(bottom).data.reshape(1, dim, 1)
         if self.bias_term:
