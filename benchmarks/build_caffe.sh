@@ -9,8 +9,8 @@
 # 9b891540 with extra layers (SSD and others) added beside it; the layers
 # that LeNet and CIFAR10-quick use (convolution as per-image im2col + GEMM,
 # pooling, inner product, ReLU, softmax loss) are BVLC's.  Built with the
-# Makefile's Release flags (-O2), no OpenCV, LevelDB, Python or CUDA; builds
-# on gcc 12 with protobuf 3.21 without patches.  Prints the binary's path.
+# Makefile's Release flags (-O2), no OpenCV, LevelDB, Python or CUDA, on gcc
+# 12 with protobuf 3.21.  Prints the binary's path.
 set -euo pipefail
 dir=${1:-$HOME/.cache/caffempi/caffe}
 sudo=""
@@ -24,6 +24,10 @@ cd "$dir"
 rm -rf brocolli-caffe-9.0.2
 tar xzf brocolli-caffe-9.0.2.tar.gz
 cd brocolli-caffe-9.0.2
+# the sdist ships caffe.pb.h/.cc from an older protoc, which the system's
+# protobuf headers refuse: generate them again with the system's protoc
+protoc -I src/caffe/proto --cpp_out=src/caffe/proto src/caffe/proto/caffe.proto
+cp src/caffe/proto/caffe.pb.h include/caffe/proto/caffe.pb.h
 # (its CMakeLists.txt is rewritten for a pycaffe wheel and skips the tools:
 # the Makefile is BVLC's)
 blas=/usr/lib/x86_64-linux-gnu/openblas-pthread
