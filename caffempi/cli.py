@@ -280,7 +280,8 @@ def main(argv=None):
             # each rank exits normally (no MPI_Abort)
             if _is_root():
                 print("%s: error: %s" % (PROG, msg), file=sys.stderr)
-            return 1
+            from .parallel.rank import leave_together
+            return leave_together(1)
         print("%s%s: error: %s" % (_rank_prefix(), PROG, msg), file=sys.stderr)
         return _exit_code(1)
     except KeyboardInterrupt:

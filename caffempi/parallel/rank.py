@@ -57,6 +57,24 @@ def _fail(world, exc_type, exc, tb, debug=False):
         _report(world, exc_type, exc, tb, debug)
     if not agreed:
         world.abort(1)
+    leave_together(1, world)
+
+
+def leave_together(rc, world=None):
+    """End this rank with status ``rc`` where every rank stops together (an
+    AgreedError): once all ranks are here, without MPI_Finalize.  Open MPI's
+    mpirun ends the job as soon as one rank exits non-zero, and a rank it
+    kills inside MPI_Finalize makes its PMIx server print a "PMIX ERROR:
+    PMIX_ERR_UNREACH" line; with no rank finalizing there is none (MPICH
+    does not mind either way).  With one rank, returns ``rc``."""
+    world = world or current_world()
+    if world is None or world.size == 1:
+        return rc
+    world.barrier("the other ranks, to stop together")
+    logging.shutdown()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(rc)
 
 
 def install_abort_handlers(world=None, debug=False):
