@@ -112,6 +112,13 @@ def _native():
     return llvm, llvm.get_host_cpu_features()
 
 
+def host_features():
+    """The host's CPU features ({name: bool}; empty off x86-64 or without
+    llvmlite)."""
+    native = _native()
+    return {} if native is None else dict(native[1])
+
+
 def compile_module(ir_text, needs):
     """An execution engine holding ``ir_text`` compiled for this CPU (it
     owns the code: keep it alive while its functions are called), or None
