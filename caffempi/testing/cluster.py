@@ -1,10 +1,15 @@
 """Emulated hosts on one Linux machine, for trying and testing multi-host
 runs: each host is a network namespace with one interface, ``eth0``, on a
 bridge in a namespace of its own, optionally rate-limited with ``tc``'s
-token bucket on both ends; MPICH's Hydra starts the remote proxies through
-a stand-in for ssh that enters the host's namespace (with its own host name,
-so that MPI sees separate nodes).  Traffic never leaves the namespaces made
-here: they have no route anywhere else.
+token bucket on both ends; MPICH's ``mpiexec -f`` or Open MPI's ``mpirun
+-machinefile`` (whichever MPI is installed: :meth:`Cluster.launcher`) starts
+the remote daemons through a stand-in for ssh that enters the host's
+namespace (with its own host name, so that MPI sees separate nodes).
+Traffic never leaves the namespaces made here: they have no route anywhere
+else.  Each host gives up on unacknowledged TCP data after about 13 s
+(``net.ipv4.tcp_retries2=5``, :data:`TCP_RETRIES2`), so that a launcher
+waiting on a host whose link is down ends (Open MPI's would otherwise wait
+about 15 minutes).
 
     with Cluster(2, rate="1gbit") as cluster:
         result = cluster.mpiexec(["python", "-m", "caffempi", "train", "--solver=S"], timeout=600)
@@ -30,10 +35,19 @@ import tempfile
 import time
 import uuid
 
+from ..parallel.launch import OPEN_MPI_FORWARD_SIGNALS, is_open_mpi, mpiexec_path
+
 # MPICH's wheel is built ch4:ucx,ofi and would move bytes between ranks on
-# one physical machine through shared memory: force TCP on the emulated link.
+# one physical machine through shared memory: force TCP on the emulated link
+# (Open MPI: the options of Cluster.launcher).
 TCP_ENV = {"MPICH_CH4_NETMOD": "ofi", "FI_PROVIDER": "tcp", "FI_TCP_IFACE": "eth0",
            "UCX_TLS": "tcp,self", "UCX_NET_DEVICES": "eth0"}
+
+# Retransmissions of unacknowledged TCP data before the kernel gives up on
+# the connection (Linux's default 15: about 15 minutes; 5: about 13 s).  Open
+# MPI's mpirun, ending a job, waits until every host's daemon confirms; one
+# behind a link that went down holds it until then.
+TCP_RETRIES2 = 5
 
 _STANDIN = """#!/bin/sh
 # ssh for emulated hosts: drop ssh's options, enter the host's namespace
@@ -50,13 +64,8 @@ exec ip netns exec "$host" unshare --uts sh -c "hostname $host; $*"
 """
 
 
-def _is_open_mpi(mpiexec):
-    """Whether ``mpiexec`` is Open MPI's (else MPICH's Hydra is assumed)."""
-    try:
-        out = subprocess.run([mpiexec, "--version"], capture_output=True, text=True, timeout=30).stdout
-    except (OSError, subprocess.SubprocessError):
-        return False
-    return "Open MPI" in out
+def _mpiexec(mpiexec=None):
+    return mpiexec or mpiexec_path() or "mpiexec"
 
 
 def unavailable_reason():
@@ -127,6 +136,8 @@ class Cluster:
                     "netns", self.bridge)
                 _ip("-n", host, "addr", "add", addr + "/24", "dev", "eth0")
                 _ip("-n", host, "link", "set", "eth0", "up")
+                self.run_on(i, ["sysctl", "-q", "-w", "net.ipv4.tcp_retries2=%d" % TCP_RETRIES2], check=True,
+                            capture_output=True)
                 _ip("-n", self.bridge, "link", "set", port, "master", "br0")
                 _ip("-n", self.bridge, "link", "set", port, "up")
                 if self.rate:
@@ -152,10 +163,16 @@ class Cluster:
             raise RuntimeError("tc on %s/%s: %s" % (ns, dev, p.stderr.strip()))
 
     def down(self):
-        """Remove every namespace of this prefix (their links go with them)."""
+        """Remove every namespace of this prefix (their links go with them)
+        and end what still runs in them (an MPI daemon of a killed job)."""
         for ns in _ip("netns", "list", check=False).split("\n"):
             name = ns.split(" ")[0]
             if name.startswith(self.prefix) and (name in self.hosts or name == self.bridge):
+                for pid in _ip("netns", "pids", name, check=False).split():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except (ProcessLookupError, ValueError):
+                        pass
                 _ip("netns", "del", name, check=False)
         if self._dir:
             shutil.rmtree(self._dir, ignore_errors=True)
@@ -183,46 +200,58 @@ class Cluster:
         """Run a command in one host's namespace (subprocess.run's kwargs)."""
         return subprocess.run(["ip", "netns", "exec", self.hosts[host]] + list(args), **kwargs)
 
-    def mpiexec_command(self, args, ranks_per_host=1, mpiexec=None):
-        """The command line that starts ``args`` on every host, from host 0:
-        ``mpiexec``, else the one beside this Python or on PATH, else the
-        name "mpiexec"."""
-        from ..parallel.launch import mpiexec_path
-        mpiexec = mpiexec or mpiexec_path() or "mpiexec"
-        n = self.count * ranks_per_host
-        if _is_open_mpi(mpiexec):
-            # PRRTE's ssh launcher, daemons and ranks over TCP on eth0
-            with open(self.hostfile, "w") as f:
-                f.write("".join("%s slots=%d\n" % (h, ranks_per_host) for h in self.hosts))
-            inner = [mpiexec, "--prtemca", "plm_ssh_agent", self.standin, "--hostfile", self.hostfile,
-                     "--prtemca", "oob_tcp_if_include", "eth0", "--mca", "pml", "ob1",
-                     "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0",
-                     "-n", str(n), "--map-by", "ppr:%d:node" % ranks_per_host]
+    def launcher(self, ranks_per_host=1, mpiexec=None):
+        """The launcher and its options that start ``ranks_per_host`` ranks on
+        every host, as docs/parallel.md gives them for real hosts, with
+        ``hosts`` for the machinefile, then the options that reach the
+        emulated hosts (the ssh stand-in; root).  ``mpiexec``: the one beside
+        this Python or on PATH, else the name "mpiexec"; for Open MPI its
+        ``mpirun``, started with signals forwarded, over TCP on eth0."""
+        mpiexec = _mpiexec(mpiexec)
+        n = str(self.count * ranks_per_host)
+        if is_open_mpi(mpiexec):
+            mpirun = os.path.join(os.path.dirname(mpiexec), "mpirun")
+            real = ([mpirun if os.access(mpirun, os.X_OK) else mpiexec] + OPEN_MPI_FORWARD_SIGNALS
+                    + ["-machinefile", "hosts", "-n", n, "--map-by", "ppr:%d:node" % ranks_per_host,
+                       "--mca", "pml", "ob1", "--mca", "btl", "tcp,self", "--mca", "btl_tcp_if_include", "eth0",
+                       "--prtemca", "oob_tcp_if_include", "eth0"])
+            emulated = ["--prtemca", "plm_ssh_agent", self.standin]
             if os.geteuid() == 0:
-                inner.append("--allow-run-as-root")
-            inner += list(args)
+                emulated.append("--allow-run-as-root")
         else:
-            with open(self.hostfile, "w") as f:
-                f.write("".join("%s:%d\n" % (h, ranks_per_host) for h in self.hosts))
-            inner = [mpiexec, "-launcher", "ssh", "-launcher-exec", self.standin, "-f", self.hostfile,
-                     "-iface", "eth0", "-n", str(n), "-ppn", str(ranks_per_host)] + list(args)
+            real = [mpiexec, "-f", "hosts", "-n", n, "-ppn", str(ranks_per_host), "-iface", "eth0"]
+            emulated = ["-launcher", "ssh", "-launcher-exec", self.standin]
+        return real, emulated
+
+    def mpiexec_command(self, args, ranks_per_host=1, mpiexec=None):
+        """The command line that starts ``args`` on every host, from host 0
+        (:meth:`launcher`)."""
+        real, emulated = self.launcher(ranks_per_host, mpiexec)
+        line = "%s slots=%d\n" if is_open_mpi(_mpiexec(mpiexec)) else "%s:%d\n"
+        with open(self.hostfile, "w") as f:
+            f.write("".join(line % (h, ranks_per_host) for h in self.hosts))
+        real = [self.hostfile if a == "hosts" else a for a in real]
         return ["ip", "netns", "exec", self.hosts[0], "unshare", "--uts", "sh", "-c",
-                'hostname %s; exec "$@"' % self.hosts[0], "sh"] + inner
+                'hostname %s; exec "$@"' % self.hosts[0], "sh"] + real + emulated + list(args)
 
     def mpiexec(self, args, ranks_per_host=1, env=None, timeout=None, **kwargs):
         """``mpiexec`` over the emulated hosts, over TCP; a CompletedProcess
         (text output captured unless kwargs say otherwise)."""
-        full = dict(os.environ if env is None else env)
-        full.update(TCP_ENV)
         kwargs.setdefault("capture_output", True)
         kwargs.setdefault("text", True)
-        return subprocess.run(self.mpiexec_command(args, ranks_per_host), env=full, timeout=timeout, **kwargs)
+        return subprocess.run(self.mpiexec_command(args, ranks_per_host), env=self._env(env), timeout=timeout,
+                              **kwargs)
 
     def popen(self, args, ranks_per_host=1, env=None, **kwargs):
         """As :meth:`mpiexec`, started in the background (a Popen)."""
+        return subprocess.Popen(self.mpiexec_command(args, ranks_per_host), env=self._env(env), **kwargs)
+
+    @staticmethod
+    def _env(env):
         full = dict(os.environ if env is None else env)
-        full.update(TCP_ENV)
-        return subprocess.Popen(self.mpiexec_command(args, ranks_per_host), env=full, **kwargs)
+        if not is_open_mpi(_mpiexec()):
+            full.update(TCP_ENV)
+        return full
 
     def set_link(self, host, up):
         """Take host ``host``'s link down (False) or up again (True)."""

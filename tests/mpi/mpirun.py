@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from caffempi.parallel.launch import mpiexec_path
+from caffempi.parallel.launch import OPEN_MPI_FORWARD_SIGNALS, is_open_mpi, mpiexec_path
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
@@ -42,9 +42,16 @@ def env(**extra):
     return e
 
 
+def launcher(n):
+    """``mpiexec -n n`` as docs/parallel.md gives it: for Open MPI with
+    SIGINT and SIGTERM passed on to the ranks (OPEN_MPI_FORWARD_SIGNALS)."""
+    mpiexec = mpiexec_path()
+    return [mpiexec] + (OPEN_MPI_FORWARD_SIGNALS if is_open_mpi(mpiexec) else []) + ["-n", str(n)]
+
+
 def mpirun(n, args, timeout=60, cwd=None, check=True, **extra_env):
     """Run ``mpiexec -n n python args...``; returns CompletedProcess."""
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable] + [str(a) for a in args]
+    cmd = launcher(n) + [sys.executable] + [str(a) for a in args]
     try:
         p = subprocess.run(cmd, cwd=cwd or REPO, env=env(**extra_env), capture_output=True,
                            text=True, timeout=timeout)

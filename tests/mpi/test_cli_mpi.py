@@ -90,8 +90,8 @@ def _signal_training_job(tmp_path, solver, sig, after, flags=()):
     """Start `mpiexec -n 2 ... train --solver=solver flags`, send ``sig`` to
     mpiexec once the log shows ``after``; returns (exit status, the whole log)."""
     import subprocess
-    from .mpirun import env, mpiexec_path
-    p = subprocess.Popen([mpiexec_path(), "-n", "2", sys.executable] + CLI + ["train", "--solver=%s" % solver]
+    from .mpirun import env, launcher
+    p = subprocess.Popen(launcher(2) + [sys.executable] + CLI + ["train", "--solver=%s" % solver]
                          + list(flags), env=env(), stderr=subprocess.PIPE, text=True, cwd=str(tmp_path))
     lines = []
     try:

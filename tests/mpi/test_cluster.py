@@ -1,7 +1,11 @@
 """Two emulated hosts (network namespaces on a bridge, TCP between them;
-caffempi.testing.cluster): the same training as one process, and no hang
-when a rank is killed or a host's link goes down.  Skipped where network
-namespaces cannot be made (not root, no iproute2)."""
+caffempi.testing.cluster), launched as docs/parallel.md says for this
+MPI (MPICH's mpiexec -f, Open MPI's mpirun -machinefile): the same
+training as one process, and no hang when a rank is killed or a host's
+link goes down.  Skipped where network namespaces cannot be made (not
+root, no iproute2)."""
+import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,6 +48,15 @@ def run(cluster, args, timeout=120, check=True, ranks_per_host=1):
 def one_process(data_dir):
     single([W, data_dir, 12, 6, "out=%s" % (data_dir / "one.npz"), "prefix=one"])
     return np.load(data_dir / "one.npz")
+
+
+def test_the_docs_give_the_command_line_these_tests_run(cluster):
+    real, emulated = cluster.launcher(1)
+    line = " ".join([os.path.basename(real[0])] + real[1:] + ["python", "-m", "caffempi", "train"])
+    docs = re.sub(r"\s*\\\n\s*", " ", (REPO / "docs" / "parallel.md").read_text())
+    assert line in docs, line
+    assert line.startswith("mpirun --forward-signals 2,15 -machinefile hosts -n 2 " if "--prtemca" in emulated
+                           else "mpiexec -f hosts -n 2 ")
 
 
 @pytest.mark.parametrize("sfb", ["off", "on"])
