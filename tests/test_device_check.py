@@ -103,8 +103,22 @@ class FakeTimer:
         pass
 
 
-def test_profile_gpu_pass_bookkeeping(capsys):
+class SteadyClock:
+    """perf_counter advancing 1 us a reading: the pass's bookkeeping without
+    the host's timing (a call slowed by a busy host past its spin budget
+    would read as a synchronization)."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        self.now += 1e-6
+        return self.now
+
+
+def test_profile_gpu_pass_bookkeeping(capsys, monkeypatch):
     gp = load("gpu_profile")
+    monkeypatch.setattr(gp, "time", SteadyClock())
     solver, batch = gp.build("lenet", gp.ZOO, np, batch=2)
     r = gp.profile(solver, 2, FakeTimer())
     n = len(solver.net.layers)
