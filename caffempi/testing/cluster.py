@@ -36,6 +36,7 @@ import time
 import uuid
 
 from ..parallel.launch import OPEN_MPI_FORWARD_SIGNALS, is_open_mpi, mpiexec_path
+from .harness import Harness
 
 # MPICH's wheel is built ch4:ucx,ofi and would move bytes between ranks on
 # one physical machine through shared memory: force TCP on the emulated link
@@ -92,7 +93,7 @@ def _ip(*args, check=True):
     return p.stdout
 
 
-class Cluster:
+class Cluster(Harness):
     """``hosts`` emulated hosts named ``<prefix>h0``, ``<prefix>h1``, ... at
     10.<net>.<sub>.1, .2, ...; ``rate``: tc's rate for every link (e.g.
     ``"1gbit"``; None: the veth's own speed)."""
@@ -114,13 +115,6 @@ class Cluster:
         self._old_handlers = {}
 
     # ------------------------------------------------------------ set-up
-    def __enter__(self):
-        self.up()
-        return self
-
-    def __exit__(self, *exc):
-        self.down()
-
     def up(self):
         self.down()                       # what a killed run with this prefix left
         self._trap_signals()

@@ -32,6 +32,8 @@ import sys
 import tempfile
 import time
 
+from .harness import Harness
+
 DAEMONS = ("munged", "slurmctld", "slurmd")
 CLIENTS = ("sbatch", "srun", "scancel", "scontrol", "sinfo", "squeue")
 # names under which Debian installs the daemons (PATH may lack /usr/sbin)
@@ -127,7 +129,7 @@ PartitionName={partition} Nodes={node} Default=YES MaxTime=INFINITE State=UP Ove
 """
 
 
-class SlurmCluster:
+class SlurmCluster(Harness):
     """One node, this host, in partition ``partition``.  ``kill_wait``:
     seconds between a job's SIGTERM and its SIGKILL at its time limit or on
     ``scancel`` without ``--signal``.  ``env()`` is the environment for the
@@ -145,13 +147,6 @@ class SlurmCluster:
         self._old_handler = None
 
     # ------------------------------------------------------------ set-up
-    def __enter__(self):
-        self.up()
-        return self
-
-    def __exit__(self, *exc):
-        self.down()
-
     def up(self):
         reason = unavailable_reason()
         if reason:
