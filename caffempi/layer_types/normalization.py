@@ -97,7 +97,9 @@ class BatchNormLayer(Layer):
         if self.scale_bias:
             out = y * self._per_channel(3) + self._per_channel(4)
         else:
-            out = y.copy()
+            # a bound top copies what it is given (the memory plan's buffer);
+            # else top must not alias the private y
+            out = y if top[0].bound else y.copy()
         top[0].data = out.reshape(bottom[0].shape)
 
     def _per_channel(self, i):
