@@ -72,13 +72,15 @@ def matmul_into(xp, a, b, out, accumulate=False):
     return out
 
 
-def channel_dot(xp, a, b):
-    """The per-channel sum of a * b over (N, C, S) arrays, shape (C,): on
-    the CPU without the product's copy (einsum's sum of products, a pass
-    over each operand), on the GPU as one elementwise product and sum."""
+def sum_of_products(xp, a, b, axes):
+    """The sum of a * b over ``axes`` (arrays of one shape; the other axes
+    kept, in order): on the CPU without the product's copy (einsum's sum of
+    products, a pass over each operand), on the GPU as one product and sum."""
     if xp is np:
-        return np.einsum("ncs,ncs->c", a, b)
-    return (a * b).sum(axis=(0, 2))
+        letters = "abcdefghijklmnop"[:a.ndim]
+        kept = "".join(c for i, c in enumerate(letters) if i not in axes)
+        return np.einsum("%s,%s->%s" % (letters, letters, kept), a, b)
+    return (a * b).sum(axis=axes)
 
 
 def bias_grad(xp, dy):

@@ -1,15 +1,26 @@
 """Normalization layers: BatchNorm (per-channel statistics over the batch)
 and MVN (per-sample mean/variance normalization)."""
+import math
+
 from ..backend import kernels
 from ..common import TEST
 from ..proto import caffe_pb2
 from .base import Layer, register
 
 
-def _normalize_backward(dy, y, axes):
+def _normalize_backward(xp, dy, y, axes):
     """Gradient of y = (x - mean(x)) / std(x) times std: the mean and the
-    spread both depend on x, giving dy - mean(dy) - mean(dy*y)*y (means over ``axes``)."""
-    return dy - dy.mean(axis=axes, keepdims=True) - (dy * y).mean(axis=axes, keepdims=True) * y
+    spread both depend on x, giving dy - mean(dy) - mean(dy*y)*y (means over
+    ``axes``), in four passes and no temporaries (BatchNorm's share of a
+    ResNet step is its passes over memory)."""
+    count = dy.dtype.type(math.prod(dy.shape[i] for i in axes))
+    keep = [1 if i in axes else n for i, n in enumerate(dy.shape)]
+    mean_dy = dy.sum(axis=axes).reshape(keep) / count
+    mean_dyy = kernels.sum_of_products(xp, dy, y, axes).reshape(keep) / count
+    dx = y * -mean_dyy
+    dx += dy
+    dx -= mean_dy
+    return dx
 
 
 @register("BatchNorm")
@@ -82,7 +93,7 @@ class BatchNormLayer(Layer):
             mean = x.mean(axis=(0, 2))
             m = x.size // self.channels
             centered = x - mean[None, :, None]
-            var = kernels.channel_dot(xp, centered, centered) / self.dtype.type(m)
+            var = kernels.sum_of_products(xp, centered, centered, (0, 2)) / self.dtype.type(m)
             correction = m / (m - 1.0) if m > 1 else 1.0
             maf = self.maf
             self.blobs[2].data = self.blobs[2].data * maf + 1
@@ -109,7 +120,7 @@ class BatchNormLayer(Layer):
     def backward(self, top, propagate_down, bottom):
         dy = self._view(top[0].diff)
         if self.scale_bias:
-            self.blobs[3].diff += kernels.channel_dot(self.xp, dy, self._y)
+            self.blobs[3].diff += kernels.sum_of_products(self.xp, dy, self._y, (0, 2))
             self.blobs[4].diff += dy.sum(axis=(0, 2))
             dy = dy * self._per_channel(3)
         if not propagate_down[0]:
@@ -117,14 +128,7 @@ class BatchNormLayer(Layer):
         if self.use_global_stats:
             dx = dy / self._std
         else:
-            # _normalize_backward's formula in four passes and no temporaries
-            # (BatchNorm's share of a ResNet step is its passes over memory)
-            y, m = self._y, dy.size // self.channels
-            mean_dy = dy.sum(axis=(0, 2))[None, :, None] / self.dtype.type(m)
-            mean_dyy = kernels.channel_dot(self.xp, dy, y)[None, :, None] / self.dtype.type(m)
-            dx = y * -mean_dyy
-            dx += dy
-            dx -= mean_dy
+            dx = _normalize_backward(self.xp, dy, self._y, (0, 2))
             dx /= self._std
         bottom[0].diff = dx.reshape(bottom[0].shape)
 
@@ -170,7 +174,8 @@ class MVNLayer(Layer):
         dy = self._view(top[0].diff)
         if self.param.mvn_param.normalize_variance:
             # Caffe's formula (exact up to the eps in the denominator).
-            dx = _normalize_backward(dy, self._y, (1,)) / self._std
+            dx = _normalize_backward(self.xp, dy, self._y, (1,))
+            dx /= self._std
         else:
             dx = dy - dy.mean(axis=1, keepdims=True)
         bottom[0].diff = dx.reshape(bottom[0].shape)

@@ -122,7 +122,8 @@ class ScaleLayer(Layer):
             self.blobs[self.bias_index].diff += _reduce(dy, self.bias_dims).reshape(
                 self.blobs[self.bias_index].shape)
         if len(bottom) == 1 or propagate_down[1]:
-            dscale = kernels.channel_dot(self.xp, dy.reshape(self.dims), x.reshape(self.dims)).reshape(scale.shape)
+            dscale = kernels.sum_of_products(self.xp, dy.reshape(self.dims), x.reshape(self.dims),
+                                             (0, 2)).reshape(scale.shape)
             if len(bottom) == 1:
                 scale.diff += dscale
             else:
