@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "benchmarks"))
 from net_speed import openblas_coretype  # noqa: E402
+from trajectory import parse_log  # noqa: E402
 
 ZOO = REPO.parent / "shared" / "caffe-zoo" / "bvlc" / "examples" / "mnist"
 LMDBS = {"examples/mnist/mnist_train_lmdb": REPO / "examples/mnist/mnist_train_lmdb",
@@ -38,7 +39,6 @@ SOLVERS = ("lenet_solver", "lenet_multistep_solver", "lenet_solver_adam", "lenet
            "lenet_solver_rmsprop", "mnist_autoencoder_solver", "mnist_autoencoder_solver_adadelta",
            "mnist_autoencoder_solver_adagrad", "mnist_autoencoder_solver_nesterov")
 ITERATIONS = 20
-LOSS = re.compile(r"Iteration \d+(?: \(.*?\))?, loss = (\S+)")
 
 
 def solver_text(name, work, max_iter, prefix):
@@ -66,7 +66,8 @@ def solver_text(name, work, max_iter, prefix):
 
 
 def losses(log):
-    return [float(m.group(1)) for m in LOSS.finditer(log)]
+    """The loss of every iteration a log displays, in order."""
+    return [loss for _, loss in parse_log(log)["loss"]]
 
 
 def largest_relative(a, b):

@@ -201,14 +201,10 @@ def compiled_for(tile):
     return functions and functions["forward"]
 
 
-def _compiled():
-    return compiled_for(AVX2_TILE)
-
-
 def available():
     """Whether the direct kernel runs here and is allowed
     (``CAFFEMPI_DIRECT_CONV``, default on)."""
-    return bool(config.settings.direct_conv) and _compiled() is not None
+    return bool(config.settings.direct_conv) and compiled_for(AVX2_TILE) is not None
 
 
 # Where the direct kernel beats the GEMM kernels (:func:`suits`): a

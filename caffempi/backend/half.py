@@ -120,7 +120,7 @@ def sum_halves(pieces, out, scales=None, out_scale=1.0):
     ``scales`` (float32; default 1), times ``out_scale``, rounded to float16
     (``out``: n C-contiguous float16)."""
     scales = np.ones(len(pieces), np.float32) if scales is None else np.asarray(scales, np.float32)
-    rows_contiguous = pieces.ndim == 2 and pieces.strides[1] == pieces.itemsize and pieces.strides[0] % 2 == 0
+    rows_contiguous = pieces.ndim == 2 and pieces.strides[1] == pieces.itemsize
     kernel = _kernel("sum_halves", pieces[0] if rows_contiguous else pieces, out)
     if kernel is None:
         total = pieces[0].astype(np.float32) * scales[0]

@@ -63,7 +63,10 @@ class CompressedExchange:
         view, u, wire = self.compressor.wire_view, self.wire_type, self.compressor.wire_dtype
         if step == 0:
             n = c.buf.size
-            layout = c.layout = self._layouts.get(n) or self._layouts.setdefault(n, _Layout(n, self.rank, self.size))
+            layout = self._layouts.get(n)
+            if layout is None:
+                layout = self._layouts[n] = _Layout(n, self.rank, self.size)
+            c.layout = layout
             flat = c.buf.reshape(-1)
             scale = self.compressor.piece_scale(self.compressor.largest(flat), self.size)
             c.send = np.empty(n + self.size, wire)
