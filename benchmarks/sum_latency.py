@@ -11,13 +11,15 @@ Two timings a sum, each the median of ``--rounds`` sums after a barrier:
            a step that completes between polls is noticed only at the next
            one, so a sum of more steps costs more poll intervals
 
-``--compare REV`` runs the same measurements with caffempi from a git
-worktree of REV, alternating the two trees ``--runs`` times, so both see
+``--baseline DIR`` runs the same measurements with caffempi from another
+checkout (``git worktree add DIR COMMIT``, as for net_speed.py),
+alternating the two trees ``--runs`` times, so both see
 the same machine; each run prints one line per (dtype, size).
 
     .venv/bin/python benchmarks/sum_latency.py
-    .venv/bin/python benchmarks/sum_latency.py --compare HEAD --runs 3
-    sudo .venv/bin/python benchmarks/sum_latency.py --rate 1gbit --compare HEAD   # 2 emulated hosts
+    git worktree add /tmp/base 7834c87
+    .venv/bin/python benchmarks/sum_latency.py --baseline /tmp/base --runs 3
+    sudo .venv/bin/python benchmarks/sum_latency.py --rate 1gbit --baseline /tmp/base   # 2 emulated hosts
 """
 import argparse
 import contextlib
@@ -89,7 +91,8 @@ def main():
     p.add_argument("--rounds", type=int, default=200)
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--work_us", type=float, default=200.0, help="busy work between polls (us)")
-    p.add_argument("--compare", help="a git revision to measure beside this tree")
+    p.add_argument("--baseline", help="another caffempi checkout to measure beside this one "
+                                      "(as net_speed.py's: git worktree add DIR COMMIT)")
     p.add_argument("--runs", type=int, default=3, help="alternating runs of each tree")
     p.add_argument("--rate", help="on 2 emulated hosts with links of this tc rate (as root), e.g. 1gbit")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -102,21 +105,11 @@ def main():
         if args.rate:
             from caffempi.testing.cluster import Cluster
             cluster = stack.enter_context(Cluster(2, rate=args.rate))
-        trees = [("this tree", REPO)]
-        if args.compare:
-            rev = subprocess.run(["git", "rev-parse", "--short", args.compare], cwd=REPO, check=True,
-                                 capture_output=True, text=True).stdout.strip()
-            other = Path(tmp) / "other"
-            subprocess.run(["git", "worktree", "add", "-q", "--detach", str(other), rev], cwd=REPO, check=True)
-            trees.append((rev, other))
-        try:
-            results = {name: [] for name, _ in trees}
-            for run in range(args.runs):
-                for name, tree in (trees if run % 2 == 0 else trees[::-1]):
-                    results[name].append(run_tree(args, tree, str(Path(tmp) / "rows.json"), cluster))
-        finally:
-            if args.compare:
-                subprocess.run(["git", "worktree", "remove", "--force", str(other)], cwd=REPO, check=False)
+        trees = [("this tree", REPO)] + ([("baseline", Path(args.baseline))] if args.baseline else [])
+        results = {name: [] for name, _ in trees}
+        for run in range(args.runs):
+            for name, tree in (trees if run % 2 == 0 else trees[::-1]):
+                results[name].append(run_tree(args, tree, str(Path(tmp) / "rows.json"), cluster))
     print("%-10s %-6s %9s  %-22s %s" % ("tree", "dtype", "values", "transport", "alone us / polled us, each run"))
     for name, runs in results.items():
         for k, row in enumerate(runs[0]):
