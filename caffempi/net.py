@@ -175,6 +175,8 @@ class Net:
         param.state.stage.extend(s for s in stages if s not in param.state.stage)
         self.name = param.name
         self.data_shard = tuple(data_shard)
+        self.batch_shares = None        # set_batch_shares
+        self._loss_share_scales = {}    # layer index -> its loss gradient's factor under the shares
         self.net_param = insert_splits(filter_net(param))
         # per-layer callbacks fn(layer_index), BVLC master's Net::Callback:
         # the user's (net.before_forward(fn) ...) and the gradient sync's
@@ -412,7 +414,9 @@ class Net:
 
     # ---------------------------------------------------------------- running
     def forward_range(self, start=0, end=None):
-        """Forward layers start..end (inclusive); returns the weighted loss."""
+        """Forward layers start..end (inclusive); returns the weighted loss
+        (under batch shares, each loss also times its ``share_scale``: this
+        rank's part of the mean over the ranks, as in backward)."""
         end = len(self.layers) - 1 if end is None else end
         loss = 0.0
         mm = self.memory if self.memory.active or self.memory.probe else None
@@ -426,7 +430,7 @@ class Net:
             layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
             layer.forward(self.bottom_vecs[i], self.top_vecs[i])
             for j, w in self.loss_weights[i]:
-                loss += w * float(self.top_vecs[i][j].data.sum())
+                loss += w * self._loss_share_scales.get(i, 1.0) * float(self.top_vecs[i][j].data.sum())
             if mm:
                 mm.after_forward(i)
             for hook in after:
@@ -447,7 +451,8 @@ class Net:
                     mm.before_backward(i)
                 tops = self.top_vecs[i]
                 for j, w in self.loss_weights[i]:
-                    tops[j].diff = self.xp.full(tops[j].shape, w, self.dtype)
+                    weight = w * self._loss_share_scales.get(i, 1.0)
+                    tops[j].diff = self.xp.full(tops[j].shape, weight, self.dtype)
                 self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
             # the hooks see the blobs as backward left them (a gradient
             # strategy reads a layer's factors there), then the memory plan
@@ -708,16 +713,70 @@ class Net:
     def data_wait_seconds(self):
         return sum(getattr(l, "wait_seconds", 0.0) for l in self.layers)
 
+    # ------------------------------------------------------- uneven shares
+    def shareable_batch(self):
+        """(the nominal per-rank batch b of the data layers that read uneven
+        shares of the global batch, None) or (None, why the ranks of this net
+        must keep equal shares): every layer must be samplewise or a loss
+        that says its weight (``Layer.share_scale``), and the data layers
+        must read shares and agree on b."""
+        batches = {}
+        for name, layer in zip(self.layer_names, self.layers):
+            batch = layer.share_batch()
+            if batch is not None:
+                batches.setdefault(batch, name)
+        if len(batches) != 1:
+            return None, ("no data layer that reads a share of the batch (Data, ImageData, HDF5Data, "
+                          "MemoryData, DummyData)" if not batches else
+                          "its data layers read different batches (%s)" % ", ".join(
+                              "'%s' %d" % (n, b) for b, n in sorted(batches.items())))
+        (batch,) = batches
+        for name, layer in zip(self.layer_names, self.layers):
+            if layer.share_scale(batch, batch) is None:
+                return None, "layer '%s' (%s) mixes the samples of a batch" % (name, layer.type)
+        return batch, None
+
+    def set_batch_shares(self, shares):
+        """From the next forward each rank reads ``shares[rank]`` records of
+        the global batch (a count a rank, summing to ranks x b; None: equal
+        shares, Caffe's rule), and each loss's gradient takes its
+        ``share_scale``, so the ranks' mean gradient stays the global
+        batch's.  The data layers reshape the net; the memory plan, made
+        from lifetimes, holds for any batch."""
+        rank, size = self.data_shard
+        batch, why = self.shareable_batch()
+        if shares is not None:
+            shares = tuple(int(n) for n in shares)
+            if why is not None:
+                raise CaffeError("net '%s' cannot split its batch unevenly: %s" % (self.name, why))
+            if len(shares) != size or min(shares) < 1 or sum(shares) != size * batch:
+                raise CaffeError("net '%s': batch shares %s must be %d positive counts summing to %d"
+                                 % (self.name, ":".join(map(str, shares)), size, size * batch))
+        self.batch_shares = shares
+        self._share_fraction = 1.0 if shares is None else shares[rank] / batch
+        for layer in self.layers:
+            layer.set_batch_shares(shares)
+        self._loss_share_scales = {} if shares is None else {
+            i: self.layers[i].share_scale(shares[rank], batch) for i, weights in enumerate(self.loss_weights)
+            if weights}
+
     def layer(self, name):
         return self.layer_dict[name]
 
-    def output_values(self):
-        """(blob name, values, loss weight) for every output, as Caffe logs them."""
+    def output_values(self, share_weighted=False):
+        """(blob name, values, loss weight) for every output, as Caffe logs
+        them.  ``share_weighted``: each value times its weight under the
+        batch shares (a loss its ``share_scale``, any other output this
+        rank's share of its nominal batch), so that the mean over the ranks
+        is the global batch's."""
         out = []
         for name in self.outputs:
             i, j = self._producer(name)
             w = dict(self.loss_weights[i]).get(j, 0.0)
-            out.append((name, self.blobs[name].data, w))
+            values = self.blobs[name].data
+            if share_weighted and self.batch_shares is not None:
+                values = values * (self._loss_share_scales[i] if w else self._share_fraction)
+            out.append((name, values, w))
         return out
 
     def _producer(self, name):

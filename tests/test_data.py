@@ -279,6 +279,40 @@ def test_sharding_reproduces_the_bigger_batch(small_db, ranks):
     close(one)
 
 
+@pytest.mark.parametrize("ranks,schedule", [
+    (2, [(3, 1), (3, 1), None, (1, 3), (2, 2)]),
+    (3, [(1, 2, 3), (3, 2, 1), None, (4, 1, 1), (1, 1, 4)]),
+])
+def test_uneven_shares_read_the_same_records_with_the_same_draws(small_db, ranks, schedule):
+    """Shares that change every batch (None: equal, interleaved): the ranks
+    hold each global batch between them, each record once, crops and
+    mirrors as one process draws them."""
+    db, _, labels = small_db
+    b = 2
+    tf = "crop_size: 4 mirror: true scale: 0.25"
+    from caffempi.common import set_random_seed
+    set_random_seed(11)
+    one = data_net(db, b * ranks, transform=tf)
+    single = run(one, len(schedule))
+    close(one)
+    nets = []
+    for r in range(ranks):
+        set_random_seed(11)
+        nets.append(data_net(db, b, shard=(r, ranks), transform=tf))
+    for k, shares in enumerate(schedule):
+        for net in nets:
+            net.set_batch_shares(shares)
+        got = [run(net, 1)[0] for net in nets]
+        order = np.concatenate([np.arange(ranks * b)[r::ranks] for r in range(ranks)]) if shares is None \
+            else np.arange(ranks * b)
+        np.testing.assert_array_equal(np.concatenate([y for _, y in got]), single[k][1][order])
+        np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), single[k][0][order])
+        if shares is not None:
+            assert [net.blobs["data"].shape[0] for net in nets] == list(shares)
+    for net in nets:
+        close(net)
+
+
 def test_resume_reader_position_bitwise(small_db):
     db, _, _ = small_db
     tf = "crop_size: 3 mirror: true mean_value: 10 mean_value: 20 mean_value: 30"

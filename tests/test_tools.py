@@ -70,6 +70,36 @@ def test_plot_training_log(tmp_path):
     assert plot_training_log.main(["0", str(tmp_path / "x.png"), str(tmp_path / "nope.log")]) == 1
 
 
+SHARES_LOG = LOG.replace(
+    "I1122 04:16:00.200000  1234 solver.py:588] Iteration 0, Testing net (#0)\n",
+    "I1122 04:16:00.150000  1234 balance.py:99] Batch shares: 32 32 of 64 (--balance=auto)\n"
+    "I1122 04:16:00.200000  1234 solver.py:588] Iteration 0, Testing net (#0)\n").replace(
+    "I1122 04:16:11.300000  1234 solver.py:588] Iteration 200, Testing net (#0)\n",
+    "I1122 04:16:09.100000  1234 balance.py:150] Batch shares: 40 24 of 64 (step ms by rank: 31.2 48.7)\n"
+    "I1122 04:16:11.300000  1234 solver.py:588] Iteration 200, Testing net (#0)\n")
+
+
+def test_parse_and_plot_batch_shares(tmp_path):
+    log = tmp_path / "bal.log"
+    log.write_text(SHARES_LOG)
+    assert parse_log.main([str(log), str(tmp_path)]) == 0
+    with open(tmp_path / "bal.log.shares", newline="") as f:
+        rows = list(csv.reader(f))
+    assert rows[0] == ["NumIters", "Seconds", "rank0", "rank1"]
+    assert [[float(v) for v in r] for r in rows[1:]] == [[0, 0.05, 32, 32], [100, 9.0, 40, 24]]
+    assert len(parse_log.parse_log(str(log))[0]) == 3          # the train rows as before
+    for chart, src in (("8", log), ("9", tmp_path / "bal.log.shares")):
+        png = tmp_path / ("shares%s.png" % chart)
+        assert plot_training_log.main([chart, str(png), str(src)]) == 0
+        assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert not (tmp_path / "plain" / "caffe.INFO.shares").exists()
+    plain = tmp_path / "caffe.INFO"
+    plain.write_text(LOG)
+    parse_log.main([str(plain), str(tmp_path / "plain")])
+    assert not (tmp_path / "plain" / "caffe.INFO.shares").exists()       # no shares shown: no file
+    assert plot_training_log.main(["8", str(tmp_path / "none.png"), str(plain)]) == 1
+
+
 def test_tool_scripts_run_as_files(tmp_path):
     log = tmp_path / "t.log"
     log.write_text(LOG)

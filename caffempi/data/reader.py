@@ -12,10 +12,13 @@ any thread is stored in the batch it was working on (or in an error batch) and
 re-raised in the main thread by :meth:`BatchPrefetcher.next`, so nothing hangs.
 
 Sharding (Caffe's multi-GPU rule, by stream position): with ``size`` ranks and
-batch ``b``, rank ``r``'s batch ``k`` holds stream positions
-``k·size·b + j·size + r`` for j = 0..b-1, i.e. the records of global batch k
-(batch size·b of one process) whose position is ≡ r (mod size).  Position p
-is record ``(p + skip) mod N``: key order, wrapping to the start.
+batch ``b``, global batch k (batch size·b of one process) is stream positions
+``k·size·b`` to ``(k+1)·size·b - 1``.  Rank ``r``'s batch ``k`` holds those
+≡ r (mod size), ``k·size·b + j·size + r`` for j = 0..b-1; or, with uneven
+batch shares (``--balance``: rank r takes ``shares[r]`` records, summing to
+size·b), the run of ``shares[r]`` positions after the lower ranks' runs.
+Either way the ranks hold global batch k between them, each record once.
+Position p is record ``(p + skip) mod N``: key order, wrapping to the start.
 """
 import atexit
 import queue
@@ -31,10 +34,21 @@ _POLL = 0.05
 _live = weakref.WeakSet()
 
 
-def shard_positions(batch_index, batch_size, rank=0, size=1):
+def shard_columns(batch_size, rank=0, size=1, shares=None):
+    """Rank ``rank``'s places in a global batch of ``size``·``batch_size``
+    records (a slice): every size-th from ``rank``, or with ``shares`` (a
+    count a rank) its contiguous run, which keeps a share's records
+    together when the shares change."""
+    if shares is None:
+        return slice(rank, size * batch_size, size)
+    start = sum(shares[:rank])
+    return slice(start, start + shares[rank])
+
+
+def shard_positions(batch_index, batch_size, rank=0, size=1, shares=None):
     """Stream positions of rank ``rank``'s batch ``batch_index``."""
     base = batch_index * size * batch_size
-    return [base + j * size + rank for j in range(batch_size)]
+    return [base + j for j in range(size * batch_size)[shard_columns(batch_size, rank, size, shares)]]
 
 
 class _Slot:
@@ -198,10 +212,10 @@ atexit.register(stop_all)
 
 
 # ------------------------------------------------------------------ sources
-def db_producer(db, batch_size, rank, size, skip, shuffled=None):
+def db_producer(db, batch_size, rank, size, skip, shuffled=None, shares=None):
     """Producer for a database (:mod:`caffempi.data.db`, LMDB or LevelDB),
     yielding ``(k, [(key, value), ...])`` for this rank's batches from
-    ``start`` on.  Stream position p is record p + skip, wrapping: epoch e
+    ``start`` on (:func:`shard_positions`).  Stream position p is record p + skip, wrapping: epoch e
     = (p + skip) // num reads the records in key order, walking the cursor
     and stepping over other ranks' records without reading their values, or,
     when ``shuffled(e)`` gives (keys, permutation), record i of the epoch is
@@ -217,7 +231,7 @@ def db_producer(db, batch_size, rank, size, skip, shuffled=None):
             k = start
             while not stopped():
                 recs = []
-                for p in shard_positions(k, batch_size, rank, size):
+                for p in shard_positions(k, batch_size, rank, size, shares):
                     epoch, i = divmod(p + skip, num)
                     if shuffled is not None and epoch != order_epoch:
                         order_epoch, order = epoch, shuffled(epoch)

@@ -8,8 +8,8 @@ All arithmetic is float32, as Caffe's Dtype=float.
 
 Random draws never depend on thread timing: the draws for global batch ``k``
 come from ``np.random.RandomState([seed, k])`` (one draw per record of the
-*global* batch of R·b records), and rank r takes the draws of its records
-(j·R + r).  So R ranks × batch b transform every record exactly as one process
+*global* batch of R·b records), and rank r takes the draws of its records'
+places in it (``reader.shard_columns``).  So R ranks × batch b transform every record exactly as one process
 with batch R·b does, and a reader restarted at batch k repeats itself bitwise.
 """
 import numpy as np
@@ -111,13 +111,14 @@ class DataTransformer:
 
     # ------------------------------------------------------------ random
     @staticmethod
-    def draws(seed, batch_index, global_batch, rank=0, size=1):
+    def draws(seed, batch_index, global_batch, columns=slice(None)):
         """Random words for one batch: (crop_h, crop_w, mirror) uint32 arrays
-        for this rank's records of global batch ``batch_index``."""
+        for the records at places ``columns`` (a slice) of global batch
+        ``batch_index``."""
         rs = np.random.RandomState([int(seed) & 0xFFFFFFFF, int(batch_index) & 0xFFFFFFFF,
                                     (int(batch_index) >> 32) & 0xFFFFFFFF])
         r = rs.randint(0, 2 ** 31, size=(3, global_batch)).astype(np.int64)
-        return r[:, rank::size]
+        return r[:, columns]
 
     # ------------------------------------------------------------ transform
     def transform(self, images, rand=None):

@@ -54,6 +54,13 @@ class Layer:
     # (rank, size) of this process's share of the data; data layers read
     # records i with i % size == rank.  Set by the net before setup.
     data_shard = (0, 1)
+    # Uneven batch shares (--balance): True where each sample's outputs
+    # depend on that sample's inputs (and the params) alone, so a rank may
+    # run any part of the global batch (see share_scale).
+    samplewise = False
+    # The count of the global batch each rank reads (Net.set_batch_shares),
+    # or None: equal shares, Caffe's rule.
+    batch_shares = None
     # What backward reads, for the memory planner (caffempi.memory).  Each is
     # a bool or a method returning one (``lambda self: ...``); the defaults
     # are conservative, so a layer that says nothing keeps its blobs alive.
@@ -105,6 +112,31 @@ class Layer:
         every rank's factors: Poseidon's sufficient factors) turns
         :meth:`param_propagate_down` of blob 0 off."""
         return None
+
+    def share_scale(self, share, batch):
+        """Whether the ranks may split the global batch unevenly through
+        this layer: for a rank that runs ``share`` of its nominal ``batch``
+        samples, the factor on the gradient of this layer's loss tops that
+        makes the ranks' mean gradient the global batch's (1.0 for a
+        samplewise layer, whose loss is a sum over samples); None where the
+        layer mixes samples or cannot tell.  Loss layers that normalise by
+        the batch say share / batch."""
+        return 1.0 if self.samplewise else None
+
+    def share_batch(self):
+        """The nominal per-rank batch of a data layer that reads uneven
+        shares (:meth:`set_batch_shares`), else None."""
+        return None
+
+    def set_batch_shares(self, shares):
+        """Read this rank's count of the global batch from ``shares`` (a
+        count a rank, or None for equal shares) from the next forward."""
+        self.batch_shares = shares
+
+    def rank_batch(self, batch_size):
+        """This rank's batch of a nominal per-rank ``batch_size`` under the
+        batch shares."""
+        return batch_size if self.batch_shares is None else self.batch_shares[self.data_shard[0]]
 
     def param_propagate_down(self, index):
         """Whether backward adds to ``blobs[index].diff`` (Caffe's

@@ -62,6 +62,7 @@ def _out_size(geom, h, w):
 
 class _ConvBase(Layer):
     backward_reads_top_data = False     # memory planner (see Layer)
+    samplewise = True
     min_bottom = 1
     min_top = 1
     transposed = False      # Deconvolution
@@ -184,6 +185,7 @@ class Im2colLayer(Layer):
     Caffe's algorithm, not the result, so it is accepted)."""
     backward_reads_bottom_data = False     # memory planner (see Layer): shapes only
     backward_reads_top_data = False
+    samplewise = True
     exact_num_bottom = 1
     exact_num_top = 1
 

@@ -5,7 +5,9 @@ which writes its bottoms to an HDF5 file.
 Every layer reads its rank's share (``data_shard`` = (rank, size)): stream
 positions p with p mod size == rank, batch by batch, so R ranks × batch b see
 each iteration exactly the records one process × batch R·b sees (Caffe's
-multi-GPU rule).  Random choices (crop, mirror, shuffles, rand_skip) derive
+multi-GPU rule); under uneven batch shares (``set_batch_shares``, from
+--balance) each rank reads its count of those records, a contiguous run
+(``reader.shard_positions``), from the next batch on.  Random choices (crop, mirror, shuffles, rand_skip) derive
 from a seed drawn from ``caffempi.common.rng()`` at setup and the batch or
 epoch index, never from thread timing, so ``get_state()`` (batch counter,
 seed, skip) and ``set_state()`` resume a run bitwise.
@@ -20,7 +22,7 @@ from ..common import CaffeError, rng, log
 from ..data import db
 from ..data.datum import datum_to_array, parse_datum, pil_to_chw, raw_datum_batch
 from ..data.image_list import read_image_list
-from ..data.reader import BatchPrefetcher, db_producer, shard_positions
+from ..data.reader import BatchPrefetcher, db_producer, shard_columns, shard_positions
 from ..data.transformer import DataTransformer
 from ..io.atomic import atomic_path
 from .base import Layer, register
@@ -39,6 +41,7 @@ class _BatchDataLayer(Layer):
     exact_num_bottom = 0
     min_top = 1
     max_top = 2
+    samplewise = True
 
     wait_seconds = 0.0
 
@@ -65,6 +68,16 @@ class _BatchDataLayer(Layer):
         if getattr(self, "_prefetcher", None) is not None:
             self._prefetcher.stop()
 
+    def share_batch(self):
+        return self.batch_size
+
+    def set_batch_shares(self, shares):
+        """The reader restarts at the next batch with the new shares (what it
+        prefetched under the old ones is dropped, not consumed)."""
+        if shares != self.batch_shares:
+            self._stop_reader()
+        super().set_batch_shares(shares)
+
     def close(self):
         """Stop the reader threads and release the source."""
         self._stop_reader()
@@ -76,9 +89,10 @@ class _BatchDataLayer(Layer):
             pass
 
     def reshape(self, bottom, top):
-        top[0].reshape((self.batch_size,) + tuple(self._item_shape))
+        n = self.rank_batch(self.batch_size)
+        top[0].reshape((n,) + tuple(self._item_shape))
         if len(top) > 1:
-            top[1].reshape((self.batch_size,))
+            top[1].reshape((n,))
 
     def _set_tops(self, top, data, labels):
         top[0].reshape(data.shape)
@@ -115,7 +129,8 @@ class _BatchDataLayer(Layer):
         if not self.transformer.needs_draws:     # no mirror, no train-time crop: nothing to draw
             return None
         rank, size = self.data_shard
-        return DataTransformer.draws(self._seed, k, self.batch_size * size, rank, size)
+        return DataTransformer.draws(self._seed, k, self.batch_size * size,
+                                     shard_columns(self.batch_size, rank, size, self.batch_shares))
 
 
 @register("Data")
@@ -187,7 +202,7 @@ class DataLayer(_BatchDataLayer):
     def _make_prefetcher(self):
         rank, size = self.data_shard
         produce = db_producer(self._db, self.batch_size, rank, size, self._skip,
-                              self._shuffled if self._keys is not None else None)
+                              self._shuffled if self._keys is not None else None, self.batch_shares)
         return BatchPrefetcher("%s(%s)" % (self.name, self.source), produce, self._process, self.prefetch,
                                self.workers)
 
@@ -279,13 +294,13 @@ class ImageDataLayer(_BatchDataLayer):
 
     def _make_prefetcher(self):
         rank, size = self.data_shard
-        bs = self.batch_size
+        bs, shares = self.batch_size, self.batch_shares
 
         def produce(start, stopped):
             k = start
             while not stopped():
                 recs = []
-                for p in shard_positions(k, bs, rank, size):
+                for p in shard_positions(k, bs, rank, size, shares):
                     rec = self._record(p)
                     recs.append((rec, self._read(rec)))
                 yield k, recs
@@ -305,6 +320,7 @@ class HDF5DataLayer(Layer):
     the file order and the rows of each file, anew every epoch."""
     exact_num_bottom = 0
     min_top = 1
+    samplewise = True
     wait_seconds = 0.0
 
     def setup(self, bottom, top):
@@ -368,9 +384,12 @@ class HDF5DataLayer(Layer):
         self._batch = int(state["batch"])
         self._seed = int(state.get("seed", self._seed))
 
+    def share_batch(self):
+        return self.batch_size
+
     def reshape(self, bottom, top):
         for t, s in zip(top, self.item_shapes):
-            t.reshape((self.batch_size,) + tuple(s))
+            t.reshape((self.rank_batch(self.batch_size),) + tuple(s))
 
     def _file(self, f):
         import h5py
@@ -384,8 +403,8 @@ class HDF5DataLayer(Layer):
     def forward(self, bottom, top):
         t0 = time.perf_counter()
         rank, size = self.data_shard
-        out = [np.empty((self.batch_size,) + tuple(s), self.dtype) for s in self.item_shapes]
-        for j, p in enumerate(shard_positions(self._batch, self.batch_size, rank, size)):
+        out = [np.empty((self.rank_batch(self.batch_size),) + tuple(s), self.dtype) for s in self.item_shapes]
+        for j, p in enumerate(shard_positions(self._batch, self.batch_size, rank, size, self.batch_shares)):
             f, row, e = self._locate_fast(p)
             arrays = self._file(f)
             for o, a in zip(out, arrays):
@@ -475,6 +494,7 @@ class MemoryDataLayer(Layer):
     ``net.set_input_arrays(data, labels)``)."""
     exact_num_bottom = 0
     exact_num_top = 2
+    samplewise = True
     wait_seconds = 0.0
 
     def setup(self, bottom, top):
@@ -511,16 +531,20 @@ class MemoryDataLayer(Layer):
     def set_state(self, state):
         self._batch = int(state["batch"])
 
+    def share_batch(self):
+        return self.batch_size
+
     def reshape(self, bottom, top):
-        top[0].reshape((self.batch_size,) + self.shape)
-        top[1].reshape((self.batch_size,))
+        n = self.rank_batch(self.batch_size)
+        top[0].reshape((n,) + self.shape)
+        top[1].reshape((n,))
 
     def forward(self, bottom, top):
         if self._data is None:
             raise self.error("no data: call reset(data, labels) (set_input_arrays) first")
         rank, size = self.data_shard
         n = self._data.shape[0]
-        idx = np.asarray(shard_positions(self._batch, self.batch_size, rank, size)) % n
+        idx = np.asarray(shard_positions(self._batch, self.batch_size, rank, size, self.batch_shares)) % n
         self._batch += 1
         top[0].data = self.xp.asarray(self._data[idx], self.dtype)
         top[1].data = self.xp.asarray(self._labels[idx], self.dtype)

@@ -22,6 +22,10 @@ class InnerProductLayer(Layer):
     exact_num_bottom = 1
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        """Samplewise unless the product flattens the batch axis in."""
+        return 1.0 if self.axis > 0 else None
+
     def setup(self, bottom, top):
         p = self.param.inner_product_param
         self.num_output = int(p.num_output)
@@ -98,6 +102,7 @@ class EmbedLayer(Layer):
     held (as floats) in the bottom; top shape is bottom shape + (num_output,)."""
 
     backward_reads_top_data = False
+    samplewise = True
     exact_num_bottom = 1
     exact_num_top = 1
 

@@ -34,10 +34,13 @@ class InputLayer(Layer):
 
 @register("DummyData")
 class DummyDataLayer(Layer):
-    """Tops filled by fillers; constant fillers fill once, random ones every
-    forward (as Caffe's DummyDataLayer refills)."""
+    """Tops filled by fillers; constant fillers fill once (and again when
+    the shape changes), random ones every forward (as Caffe's DummyDataLayer
+    refills).  Under uneven batch shares, the tops whose first axis is the
+    first top's (the batch) take this rank's count."""
     exact_num_bottom = 0
     min_top = 1
+    samplewise = True
 
     def setup(self, bottom, top):
         p = self.param.dummy_data_param
@@ -69,12 +72,22 @@ class DummyDataLayer(Layer):
             t.data = self.fill(f, shape).data
         self._refill = [f.type != "constant" for f in self._fillers]
 
+    def share_batch(self):
+        return self._shapes[0][0] if self._shapes[0] else None
+
+    def _rank_shapes(self):
+        batch = self.share_batch()
+        return [(self.rank_batch(batch),) + shape[1:] if shape and shape[0] == batch else shape
+                for shape in self._shapes]
+
     def reshape(self, bottom, top):
-        for t, shape in zip(top, self._shapes):
-            t.reshape(shape)
+        for t, shape, f in zip(top, self._rank_shapes(), self._fillers):
+            if t.shape != shape:
+                t.reshape(shape)
+                t.data = self.fill(f, shape).data
 
     def forward(self, bottom, top):
-        for t, shape, f, refill in zip(top, self._shapes, self._fillers, self._refill):
+        for t, shape, f, refill in zip(top, self._rank_shapes(), self._fillers, self._refill):
             if refill:
                 t.data = self.xp.asarray(refill_values(f, shape, self.dtype))
 

@@ -4,6 +4,13 @@ Every loss writes a scalar (shape ``()``) into top 0 and scales its bottom
 gradient by ``top[0].diff``, which holds the loss weight the net assigns
 (1 for the first top of a loss layer unless ``loss_weight`` says otherwise).
 The weight is used as a device scalar, so backward needs no host sync.
+
+Under uneven batch shares (--balance) a loss says through ``share_scale``
+how its gradient must be weighted so that the ranks' mean is the global
+batch's: share / batch where it normalises by the batch (or by all its
+outputs), 1 where it does not normalise (a sum over samples), and None
+where it normalises by a count of this rank's own (VALID with an
+ignore_label), which no weight makes exact.
 """
 import numpy as np
 
@@ -72,6 +79,18 @@ class LossLayer(Layer):
     def allow_force_backward(self, bottom_index):
         return bottom_index != 1
 
+    def share_scale(self, share, batch):
+        """Normalised by its batch (the first axis): share / batch."""
+        return share / batch
+
+    def _normalized_share_scale(self, share, batch):
+        """share_scale of a loss with ``normalization`` and ``ignore_label``."""
+        if self.normalization == NONE:
+            return 1.0
+        if self.normalization == VALID and self.ignore_label is not None:
+            return None
+        return share / batch
+
     def reshape(self, bottom, top):
         if _num(bottom[0]) != _num(bottom[1]):
             raise self.error("the data and label should have the same first dimension; "
@@ -132,9 +151,14 @@ class _ProbLossLayer(LossLayer):
     def _axis(self):
         raise NotImplementedError
 
+    def share_scale(self, share, batch):
+        """Over a softmax along the batch axis the samples mix."""
+        return self._normalized_share_scale(share, batch) if self._batch_outer else None
+
     def reshape(self, bottom, top):
         LossLayer.reshape(self, bottom, top)
         self.outer, self.channels, self.inner = _split_axis(self, bottom[0], self._axis())
+        self._batch_outer = bottom[0].canonical_axis(self._axis()) > 0
         if self.outer * self.inner != bottom[1].count:
             raise self.error("number of labels must match number of predictions: prediction shape "
                              "%s with axis %d needs %d labels, label shape %s has %d",
@@ -323,6 +347,9 @@ class SigmoidCrossEntropyLossLayer(LossLayer):
         self.ignore_label = self._read_ignore_label(self.param.loss_param)
         self.normalization = self._read_normalization(BATCH_SIZE)
 
+    def share_scale(self, share, batch):
+        return self._normalized_share_scale(share, batch)
+
     def reshape(self, bottom, top):
         LossLayer.reshape(self, bottom, top)
         if bottom[0].count != bottom[1].count:
@@ -460,6 +487,8 @@ class AccuracyLayer(Layer):
     exact_num_bottom = 2
     min_top = 1
     max_top = 2
+    # no gradient: under uneven shares it is this rank's share's accuracy
+    samplewise = True
 
     def setup(self, bottom, top):
         ap = self.param.accuracy_param

@@ -15,6 +15,7 @@ from .base import Layer, register
 class LRNLayer(Layer):
     backward_state = ("scale",)         # memory planner (see Layer)
     recompute_cheap = False             # 6% of GoogLeNet's CPU time: not cheap here
+    samplewise = True
     exact_num_bottom = 1
     exact_num_top = 1
 

@@ -24,6 +24,7 @@ class _Neuron(Layer):
     in_place_keeps_input = True
     backward_state = ("_saved_input",)
     recompute_cheap = True
+    samplewise = True
 
     exact_num_bottom = 1
     exact_num_top = 1

@@ -68,6 +68,11 @@ class BatchNormLayer(Layer):
                 self.blobs.append(self.fill(scale_filler, (self.channels,)))
                 self.blobs.append(self.fill(p.bias_filler, (self.channels,)))   # default: constant 0
 
+    def share_scale(self, share, batch):
+        """Samplewise only on the stored statistics: the batch's own mean and
+        variance mix its samples."""
+        return 1.0 if self.use_global_stats else None
+
     def reshape(self, bottom, top):
         shape = bottom[0].shape
         if len(shape) > 1 and shape[1] != self.channels:
@@ -142,6 +147,7 @@ class MVNLayer(Layer):
     backward_reads_top_data = False
     backward_state = ("_y",)
     recompute_cheap = True
+    samplewise = True
 
     exact_num_bottom = 1
     exact_num_top = 1

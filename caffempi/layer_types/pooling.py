@@ -42,6 +42,7 @@ class PoolingLayer(Layer):
     backward_reads_top_data = False
     backward_state = ("argmax",)
     recompute_cheap = False     # 11% of GoogLeNet's CPU time: not cheap here
+    samplewise = True
     exact_num_bottom = 1
     min_top = 1
     max_top = 2
@@ -130,6 +131,7 @@ class SPPLayer(Layer):
     # memory planner (see Layer): Pooling's backward reads neither (MAX its argmax)
     backward_reads_bottom_data = False
     backward_reads_top_data = False
+    samplewise = True
     exact_num_bottom = 1
     exact_num_top = 1
 

@@ -20,6 +20,15 @@ def _param_shape(layer, shape, axis_param, num_axes):
     return tuple(shape[axis:end])
 
 
+def _share_scale(layer, p):
+    """Layer.share_scale of Scale and Bias (``p`` their param): samplewise
+    unless a learned operand spans the batch axis (its shape is the batch's)."""
+    learned = len(layer.param.bottom) == 1
+    ndim = len(layer.bottom_shape)
+    spans_batch = ndim > 0 and p.axis % ndim == 0 and p.num_axes != 0
+    return None if learned and spans_batch else 1.0
+
+
 def _broadcast_dims(layer, shape, operand_shape, axis_param):
     """(outer, dim, inner) so that bottom reshaped to (outer, dim, inner)
     meets the operand reshaped to (1, dim, 1)."""
@@ -67,9 +76,12 @@ class ScaleLayer(Layer):
     max_bottom = 2
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        return _share_scale(self, self.param.scale_param)
+
     def setup(self, bottom, top):
         p = self.param.scale_param
-        shape = bottom[0].shape
+        shape = self.bottom_shape = bottom[0].shape
         if len(bottom) == 1 and not self.blobs:
             sshape = _param_shape(self, shape, p.axis, p.num_axes)
             if p.HasField("filler"):
@@ -147,8 +159,12 @@ class BiasLayer(Layer):
     max_bottom = 2
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        return _share_scale(self, self.param.bias_param)
+
     def setup(self, bottom, top):
         p = self.param.bias_param
+        self.bottom_shape = bottom[0].shape
         if len(bottom) == 1 and not self.blobs:
             self.blobs = [self.fill(p.filler, _param_shape(self, bottom[0].shape, p.axis,
                                                            p.num_axes))]

@@ -22,6 +22,10 @@ class SoftmaxLayer(Layer):
     exact_num_bottom = 1
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        """Samplewise unless the softmax runs over the batch axis."""
+        return 1.0 if self.axis > 0 else None
+
     def reshape(self, bottom, top):
         if bottom[0].num_axes == 0:
             raise self.error("needs a bottom with at least one axis, got shape %s", bottom[0].shape)

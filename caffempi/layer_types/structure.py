@@ -18,6 +18,12 @@ def _canonical_axis(layer, blob, axis):
     return axis % n
 
 
+def _share_scale_over(axis):
+    """Layer.share_scale of a layer that works along ``axis`` and keeps the
+    axes before it: samplewise unless that is the batch axis."""
+    return 1.0 if axis is None or axis > 0 else None
+
+
 def _legacy_axis(layer, blob, param, dim_field):
     """The axis of Concat/Slice: ``axis`` or the legacy ``concat_dim`` /
     ``slice_dim`` (never both; the legacy field takes no negative values)."""
@@ -63,6 +69,9 @@ class ConcatLayer(Layer):
     min_bottom = 1
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        return _share_scale_over(self._axis)
+
     def reshape(self, bottom, top):
         b0 = bottom[0]
         axis = self._axis = _legacy_axis(self, b0, self.param.concat_param, "concat_dim")
@@ -105,6 +114,9 @@ class SliceLayer(Layer):
     recompute_cheap = True
     exact_num_bottom = 1
     min_top = 1
+
+    def share_scale(self, share, batch):
+        return _share_scale_over(self._axis)
 
     def reshape(self, bottom, top):
         b = bottom[0]
@@ -157,6 +169,7 @@ class SplitLayer(Layer):
     backward_reads_bottom_data = False
     backward_reads_top_data = False
     recompute_cheap = True
+    samplewise = True
     exact_num_bottom = 1
     min_top = 1
 
@@ -186,12 +199,16 @@ class SplitLayer(Layer):
 # --------------------------------------------------------- Flatten, Reshape
 class _ViewLayer(Layer):
     """Base of layers whose top is the bottom's data under another shape
-    (Caffe shares data and diff); subclasses compute ``_top_shape``."""
+    (Caffe shares data and diff); subclasses compute ``_top_shape`` and
+    ``_start``, the first axis they change."""
     backward_reads_bottom_data = False
     backward_reads_top_data = False
     recompute_cheap = True
     exact_num_bottom = 1
     exact_num_top = 1
+
+    def share_scale(self, share, batch):
+        return _share_scale_over(self._start)
 
     def _top_shape(self, b):
         raise NotImplementedError
@@ -218,7 +235,7 @@ class FlattenLayer(_ViewLayer):
 
     def _top_shape(self, b):
         p = self.param.flatten_param
-        start = _canonical_axis(self, b, p.axis)
+        start = self._start = _canonical_axis(self, b, p.axis)
         end = _canonical_axis(self, b, p.end_axis)
         if end < start:
             raise self.error("end_axis %d comes before axis %d for the bottom of shape %s",
@@ -248,6 +265,7 @@ class ReshapeLayer(_ViewLayer):
         if p.num_axes < -1:
             raise self.error("num_axes must be >= 0, or -1 for all, got %d", p.num_axes)
         end = n if p.num_axes == -1 else start + p.num_axes
+        self._start = start + 1 if self._dims[:1] == [0] else start     # dim 0 copies the axis
         if end > n:
             raise self.error("axis %d + num_axes %d exceeds the axes of the bottom of shape %s",
                              p.axis, p.num_axes, b.shape)
@@ -279,11 +297,14 @@ class CropLayer(Layer):
     exact_num_bottom = 2
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        return _share_scale_over(self._start)
+
     def reshape(self, bottom, top):
         p = self.param.crop_param
         a, b = bottom
         n = a.num_axes
-        start = _canonical_axis(self, a, p.axis)
+        start = self._start = _canonical_axis(self, a, p.axis)
         offsets = list(p.offset)
         if len(offsets) > 1 and len(offsets) != n - start:
             raise self.error("%d crop offsets given; need 1 or one per axis from %d of the "
@@ -329,12 +350,15 @@ class TileLayer(Layer):
     exact_num_bottom = 1
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        return _share_scale_over(self._axis)
+
     def reshape(self, bottom, top):
         p = self.param.tile_param
         b = bottom[0]
         if p.tiles < 1:
             raise self.error("tiles must be positive, got %d", p.tiles)
-        axis = _canonical_axis(self, b, p.axis)
+        axis = self._axis = _canonical_axis(self, b, p.axis)
         self._outer = b.count_range(0, axis)
         self._inner = b.count_range(axis)
         shape = list(b.shape)
@@ -363,6 +387,7 @@ class EltwiseLayer(Layer):
     backward_reads_top_data = lambda self: self._op == _ELTWISE.PROD
     backward_state = ("_max_idx",)
     recompute_cheap = lambda self: self._op == _ELTWISE.SUM
+    samplewise = True
     min_bottom = 2
     exact_num_top = 1
 
@@ -446,6 +471,7 @@ class SilenceLayer(Layer):
     """Consumes its bottoms so they are not reported as net outputs."""
     backward_reads_bottom_data = False
     backward_reads_top_data = False
+    samplewise = True
     min_bottom = 1
     exact_num_top = 0
 
@@ -470,6 +496,9 @@ class ReductionLayer(Layer):
     exact_num_bottom = 1
     exact_num_top = 1
 
+    def share_scale(self, share, batch):
+        return _share_scale_over(self._axis)
+
     def setup(self, bottom, top):
         self._op = self.param.reduction_param.operation
         if self._op not in (_REDUCTION.SUM, _REDUCTION.ASUM, _REDUCTION.SUMSQ, _REDUCTION.MEAN):
@@ -477,7 +506,7 @@ class ReductionLayer(Layer):
 
     def reshape(self, bottom, top):
         b = bottom[0]
-        axis = _canonical_axis(self, b, self.param.reduction_param.axis) if b.num_axes else 0
+        axis = self._axis = _canonical_axis(self, b, self.param.reduction_param.axis) if b.num_axes else 0
         self._num = b.count_range(0, axis)
         self._dim = b.count_range(axis)
         coeff = self.param.reduction_param.coeff
@@ -523,6 +552,9 @@ class ArgMaxLayer(Layer):
     backward_reads_top_data = False
     exact_num_bottom = 1
     exact_num_top = 1
+
+    def share_scale(self, share, batch):
+        return _share_scale_over(self._axis)
 
     def setup(self, bottom, top):
         p = self.param.argmax_param
@@ -693,6 +725,7 @@ class ParameterLayer(Layer):
     every parameter's does)."""
     backward_reads_bottom_data = False
     backward_reads_top_data = False
+    samplewise = True       # its top has no batch axis
     exact_num_bottom = 0
     exact_num_top = 1
 

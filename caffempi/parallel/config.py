@@ -7,6 +7,7 @@ from dataclasses import dataclass, fields
 from typing import ClassVar
 
 from ..common import CaffeError
+from .balance import ShareBalancer, parse_balance
 from .buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
 from .easgd import ElasticAveraging
 from .launch import check_ranks
@@ -36,6 +37,7 @@ class ParallelConfig:
     comm_timeout: float = DEFAULT_TIMEOUT
     compress: str = "none"
     compress_start_iter: int = 0
+    balance: str = "auto"
 
     HELP: ClassVar[dict] = {
         "ranks": "Optional; for 'train' without a launcher: run on this many ranks of this host, under the "
@@ -69,6 +71,10 @@ class ParallelConfig:
                     "feedback, where the cost model finds it over 10% faster than the exact ways; CPU nets; "
                     "lossy).",
         "compress_start_iter": "Optional; with --compress: the first iterations summed exactly.",
+        "balance": "Optional; each rank's share of the global batch: auto (by the ranks' measured speed, every "
+                   "few seconds, for nets whose layers treat samples apart; the same records and gradient as "
+                   "equal shares), off (equal shares, Caffe's rule) or fixed per-rank counts B0:B1:... "
+                   "(summing to ranks x batch).",
     }
 
     def __post_init__(self):
@@ -83,6 +89,8 @@ class ParallelConfig:
             raise CaffeError("--tau must be >= 1, got %d" % self.tau)
         if parse_compress(self.compress)[0] != "none" and self.sync == "easgd":
             raise CaffeError("--compress=%s cannot go with --sync=easgd, which sends no gradients" % self.compress)
+        if parse_balance(self.balance)[0] == "fixed" and self.sync == "easgd":
+            raise CaffeError("--balance=%s cannot go with --sync=easgd, whose ranks train apart" % self.balance)
         if self.compress_start_iter < 0:
             raise CaffeError("--compress_start_iter must be >= 0, got %d" % self.compress_start_iter)
 
@@ -101,12 +109,14 @@ class ParallelConfig:
         """The strategy for ``--sync`` (sgd: :class:`BucketedAllreduce` over
         ``--comm``, with the sufficient-factor plug-in unless ``--sfb=off``
         and the low-rank one with ``--compress=powersgd``;
-        easgd: :class:`ElasticAveraging`, which sends no gradients)."""
+        easgd: :class:`ElasticAveraging`, which sends no gradients and keeps
+        equal shares); with the batch shares of ``--balance``."""
         if self.sync == "easgd":
             return ElasticAveraging(world, self.tau, self.alpha)
+        balancer = None if self.balance == "off" else ShareBalancer(self.balance)
         return BucketedAllreduce(world, self.comm, self.bucket_mb, min(self.bucket_mb, DEFAULT_FIRST_BUCKET_MB),
                                  comm_dtype=self.comm_dtype, plugins=self.make_plugins(), link_gbps=self.link_gbps,
-                                 gemm_gflops=self.gemm_gflops)
+                                 gemm_gflops=self.gemm_gflops, balancer=balancer)
 
     def make_plugins(self):
         """The reducer's plug-ins: sufficient factors unless ``--sfb=off``,

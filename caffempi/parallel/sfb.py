@@ -23,7 +23,9 @@ kept), and on GPU nets.
 (:class:`~caffempi.parallel.sync.ReducerPlugin`): it offers the eligible
 weights, takes those the plan gives it, reads each layer's factors in the backward hook (the layer says
 what they are through ``Layer.weight_factors``), gathers them while
-backward goes on, and forms the mean gradients in ``finish``.
+backward goes on, and forms the mean gradients in ``finish``.  Under uneven
+batch shares (``net.batch_shares``) the ranks' row counts differ with their
+shares, and the gathers are ``MPI_Iallgatherv``.
 """
 import time
 
@@ -171,6 +173,15 @@ class SufficientFactors(ReducerPlugin):
         top, bottom = self.net.top_vecs[i][0], self.net.bottom_vecs[i][0]
         return top.diff.reshape(rows, -1), bottom.data.reshape(rows, -1)
 
+    def _rank_rows(self, rows):
+        """Each rank's factor rows, from this rank's ``rows`` and the net's
+        batch shares (rows per sample are the same on every rank)."""
+        shares = self.net.batch_shares
+        if shares is None:
+            return [rows] * self.world.size
+        per_sample = rows // shares[self.world.rank]
+        return [n * per_sample for n in shares]
+
     def _gather(self, i, layer):
         """Start the all-gathers of a layer's factors (its backward just ran),
         through the compressor where there is one (each factor with its own
@@ -184,23 +195,32 @@ class SufficientFactors(ReducerPlugin):
                     as_sent = send.view(self.compressor.wire_view)
                 else:
                     send = as_sent = np.ascontiguousarray(f)
-                recv = np.empty((self.world.size,) + send.shape, send.dtype)
-                requests.append(self._comm.Iallgather(as_sent, recv.view(as_sent.dtype)))
-                buffers.append((np.shape(f), recv))
+                cols, extra = f.shape[1], send.size - f.size      # extra: an encoded message's scale
+                counts = [rows * cols + extra for rows in self._rank_rows(f.shape[0])]
+                recv = np.empty(sum(counts), send.dtype)
+                if len(set(counts)) == 1:
+                    requests.append(self._comm.Iallgather(as_sent, recv.view(as_sent.dtype)))
+                else:
+                    requests.append(self._comm.Iallgatherv(as_sent, [recv.view(as_sent.dtype), counts]))
+                buffers.append((cols, extra, counts, recv))
         self._gathers[i] = (requests, buffers)
 
-    def _all_rows(self, shape, recv, dtype, scale):
-        """Every rank's rows of one gathered factor of ``shape`` (M x ...), as
-        (ranks * M) x rest in ``dtype``, times ``scale``."""
+    def _all_rows(self, cols, extra, counts, recv, dtype, scale):
+        """Every rank's rows of one gathered factor of ``cols`` columns (the
+        ranks' messages of ``counts`` numbers each, ``extra`` of them not
+        values, in rank order), as (all rows) x cols in ``dtype``, times
+        ``scale``."""
         if self.compressor is None:
             rows = np.asarray(recv, dtype)
             if scale != 1.0:
                 rows = rows * dtype.type(scale)
-        else:
-            rows = np.empty((len(recv), int(np.prod(shape))), dtype)
-            for row, sent in zip(rows, recv):
-                self.compressor.decode(sent, row, scale)
-        return rows.reshape(self.world.size * shape[0], -1)
+            return rows.reshape(-1, cols)
+        rows = np.empty(sum(counts) - extra * len(counts), dtype)
+        start = out = 0
+        for n in counts:
+            self.compressor.decode(recv[start:start + n], rows[out:out + n - extra], scale)
+            start, out = start + n, out + n - extra
+        return rows.reshape(-1, cols)
 
     def progress(self):
         """Test the pending gathers; True when none is pending."""
@@ -219,9 +239,9 @@ class SufficientFactors(ReducerPlugin):
                     while not r.Test():
                         progress()
                         yield_core()
-            (dy_shape, dy_recv), (x_shape, x_recv) = buffers
-            dy = self._all_rows(dy_shape, dy_recv, net.dtype, scale)
-            x = self._all_rows(x_shape, x_recv, net.dtype, 1.0)
+            (dy_buffers, x_buffers) = buffers
+            dy = self._all_rows(*dy_buffers, net.dtype, scale)
+            x = self._all_rows(*x_buffers, net.dtype, 1.0)
             grad = layer.blobs[0].diff
             if layer.weight_factors()[1]:
                 kernels.matmul_into(net.xp, x.T, dy, grad)

@@ -198,15 +198,21 @@ class BucketedAllreduce(GradientSync):
     ``link_gbps``, ``gemm_gflops``) finds cheapest, the buckets unless a
     plug-in's offer beats them (a lossy plug-in's by more than
     LOSSY_MARGIN, as what it saves must pay for what it changes); rank 0's
-    plan, one line a param with a choice, is every rank's."""
+    plan, one line a param with a choice, is every rank's.
+
+    ``balancer``, a :class:`~caffempi.parallel.balance.ShareBalancer` or
+    None, splits each iteration's global batch over the ranks by their
+    measured speed; the sums need nothing else (each rank's gradient comes
+    weighted by its share), but the factors' gathers read the shares."""
 
     #: the share of the best exact way's time a lossy way must save
     LOSSY_MARGIN = 0.1
 
     def __init__(self, world, comm="overlap", bucket_mb=DEFAULT_BUCKET_MB,
                  first_bucket_mb=DEFAULT_FIRST_BUCKET_MB, transport=None, comm_dtype="fp32", plugins=(),
-                 link_gbps=0.0, gemm_gflops=0.0):
+                 link_gbps=0.0, gemm_gflops=0.0, balancer=None):
         super().__init__(world)
+        self.balancer = balancer
         self.link_gbps, self.gemm_gflops = float(link_gbps), float(gemm_gflops)
         self.comm = comm
         self.compressor = make_compressor(comm_dtype)
@@ -242,6 +248,8 @@ class BucketedAllreduce(GradientSync):
         self._top_layer = len(net.layers) - 1
         if not self.active:
             return
+        if self.balancer is not None:
+            self.balancer.attach(self.world, net)
         shares = self._plan(net)
         for plugin, params in zip(self.plugins, shares):
             plugin.attach(self.world, net, self.iter_size, self.compressor, params)
@@ -319,16 +327,22 @@ class BucketedAllreduce(GradientSync):
         self._claimed = ()
         self._ready = {}
 
+    def _stateful(self):
+        """(name, part) of the parts with a state: the plug-ins, the balancer."""
+        parts = [(plugin.name, plugin) for plugin in self.plugins]
+        return parts + ([("batch shares", self.balancer)] if self.balancer is not None else [])
+
     def state(self):
-        """The plug-ins' states by name, or None when none has any."""
-        states = {plugin.name: plugin.state() for plugin in self.plugins}
+        """The plug-ins' and the balancer's states by name, or None when
+        none has any."""
+        states = {name: part.state() for name, part in self._stateful()}
         states = {name: st for name, st in states.items() if st is not None}
         return states or None
 
     def load_state(self, state):
-        for plugin in self.plugins:
-            if plugin.name in state:
-                plugin.load_state(state[plugin.name])
+        for name, part in self._stateful():
+            if name in state:
+                part.load_state(state[name])
 
     def close(self):
         self.detach()
@@ -345,6 +359,8 @@ class BucketedAllreduce(GradientSync):
         self._handles = []
         for plugin in self.plugins:
             plugin.start_iteration()
+        if self.balancer is not None:
+            self.balancer.before_iteration()
 
     def before_pass(self, net, index, last):
         """Only the iteration's last backward starts the sums."""
@@ -383,6 +399,8 @@ class BucketedAllreduce(GradientSync):
     def finish(self, net):
         """Wait for the sums (means); returns the exposed seconds."""
         t0 = time.perf_counter()
+        if self.balancer is not None:
+            self.balancer.after_compute()
         if self.active:
             # the plug-ins' work (the factor GEMMs) runs while the buckets
             # progress between its kernel chunks

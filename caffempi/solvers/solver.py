@@ -505,7 +505,7 @@ class Solver:
 
     def _display(self, lapse):
         p, net = self.param, self.net
-        outputs = net.output_values()
+        outputs = net.output_values(share_weighted=True)
         flat = [float(v) for _, vals, _ in outputs for v in to_numpy(vals).ravel()]
         combined = self.collectives.mean_scalars([self.smoothed_loss] + flat)
         if not self.is_root:

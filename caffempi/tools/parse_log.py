@@ -1,7 +1,10 @@
 """parse_log: a Caffe (or caffempi) training log -> two CSV files,
 ``<log>.train`` and ``<log>.test`` in OUTPUT_DIR, with the rows and columns
 of BVLC's tools/extra/parse_log.py: NumIters, Seconds, LearningRate, then one
-column per net output (e.g. loss; accuracy, loss).
+column per net output (e.g. loss; accuracy, loss).  A caffempi log whose
+batch shares were shown (``--balance``) also gives ``<log>.shares``:
+NumIters, Seconds, then each rank's count (rank0, rank1, ...), a row at
+start-up and at each change.
 
     python tools/parse_log.py [--verbose] [--delimiter ,] LOGFILE OUTPUT_DIR
 """
@@ -19,6 +22,7 @@ RE_ITERATION = re.compile(r"Iteration (\d+)")
 RE_TRAIN_OUTPUT = re.compile(r"Train net output #(\d+): (\S+) = ([\.\deE+-]+)")
 RE_TEST_OUTPUT = re.compile(r"Test net output #(\d+): (\S+) = ([\.\deE+-]+)")
 RE_LEARNING_RATE = re.compile(r"lr = ([-+]?[0-9]*\.?[0-9]+([eE]?[-+]?[0-9]+)?)")
+RE_SHARES = re.compile(r"Batch shares: ([\d ]+) of \d+")
 RE_GLOG = re.compile(r"^[IWEF](\d\d)(\d\d) (\d\d):(\d\d):(\d\d)\.(\d+)")
 
 
@@ -32,6 +36,17 @@ def extract_datetime(line, year):
 
 def parse_log(path):
     """(train rows, test rows): lists of OrderedDicts as BVLC's parse_log."""
+    return parse_all(path)[:2]
+
+
+def parse_shares(path):
+    """The batch-share rows of a log (OrderedDicts: NumIters, Seconds,
+    rank0, rank1, ...), maybe none."""
+    return parse_all(path)[2]
+
+
+def parse_all(path):
+    """(train rows, test rows, batch-share rows) of a log."""
     try:
         year = datetime.datetime.fromtimestamp(os.path.getmtime(path)).year
         with open(path, errors="replace") as f:
@@ -51,13 +66,18 @@ def parse_log(path):
                 break
     iteration = -1
     lr = float("nan")
-    train, test = [], []
+    train, test, shares = [], [], []
     train_row = test_row = None
     last = start
     for line in lines:
         m = RE_ITERATION.search(line)
         if m:
             iteration = float(m.group(1))
+        m = RE_SHARES.search(line)
+        if m:                      # shown at start-up (before iteration 0) and at each change
+            row = OrderedDict([("NumIters", max(iteration, 0.0)), ("Seconds", _seconds(line, year, start))])
+            row.update(("rank%d" % r, float(n)) for r, n in enumerate(m.group(1).split()))
+            shares.append(row)
         if iteration == -1:
             continue
         t = extract_datetime(line, year)
@@ -74,7 +94,12 @@ def parse_log(path):
     for rows in (train, test):     # fix_initial_nan_learning_rate
         if len(rows) > 1:
             rows[0]["LearningRate"] = rows[1]["LearningRate"]
-    return train, test
+    return train, test, shares
+
+
+def _seconds(line, year, start):
+    t = extract_datetime(line, year)
+    return (t - start).total_seconds() if (t and start) else 0.0
 
 
 def _net_output(regex, row, rows, line, iteration, seconds, lr):
@@ -102,12 +127,17 @@ def write_csv(path, rows, delimiter=",", verbose=False):
         info("Wrote %s", path)
 
 
-def save_csv_files(log_path, output_dir, train, test, delimiter=",", verbose=False):
+def save_csv_files(log_path, output_dir, train, test, delimiter=",", verbose=False, shares=()):
+    """Writes <log>.train and <log>.test, and <log>.shares where there are
+    share rows; returns the paths written."""
     base = os.path.basename(log_path)
     os.makedirs(output_dir, exist_ok=True)
     out = (os.path.join(output_dir, base + ".train"), os.path.join(output_dir, base + ".test"))
     write_csv(out[0], train, delimiter, verbose)
     write_csv(out[1], test, delimiter, verbose)
+    if shares:
+        out += (os.path.join(output_dir, base + ".shares"),)
+        write_csv(out[2], shares, delimiter, verbose)
     return out
 
 
@@ -126,8 +156,8 @@ FLAGS.define("delimiter", ",", "Column delimiter in output files")
 
 
 def _main(flags, logfile_path, output_dir):
-    train, test = parse_log(logfile_path)
-    save_csv_files(logfile_path, output_dir, train, test, flags.delimiter, flags.verbose)
+    train, test, shares = parse_all(logfile_path)
+    save_csv_files(logfile_path, output_dir, train, test, flags.delimiter, flags.verbose, shares)
 
 
 def main(argv=None):

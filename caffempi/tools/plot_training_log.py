@@ -5,11 +5,12 @@ with the chart types of BVLC's tools/extra/plot_training_log.py.example:
     2: Test loss      vs. Iters     3: Test loss      vs. Seconds
     4: Train learning rate vs. Iters  5: Train learning rate vs. Seconds
     6: Train loss     vs. Iters     7: Train loss     vs. Seconds
+    8: Batch shares   vs. Iters     9: Batch shares   vs. Seconds  (caffempi's --balance)
 
     python tools/plot_training_log.py CHART_TYPE OUT.png LOG_OR_CSV [LOG_OR_CSV ...]
 
-Each input is a training log (parsed with parse_log) or a .train/.test CSV
-written by parse_log.
+Each input is a training log (parsed with parse_log) or a .train/.test/.shares
+CSV written by parse_log.  The share charts draw each rank's count as steps.
 """
 import os
 
@@ -23,21 +24,22 @@ CHARTS = {
     2: ("test", "loss", "NumIters"), 3: ("test", "loss", "Seconds"),
     4: ("train", "LearningRate", "NumIters"), 5: ("train", "LearningRate", "Seconds"),
     6: ("train", "loss", "NumIters"), 7: ("train", "loss", "Seconds"),
+    8: ("shares", "rank", "NumIters"), 9: ("shares", "rank", "Seconds"),
 }
 LABELS = {"NumIters": "Iters", "Seconds": "Seconds", "accuracy": "Test accuracy",
-          "LearningRate": "Train learning rate"}
+          "LearningRate": "Train learning rate", "rank": "Batch shares"}
 
 
 def _rows(path, phase):
-    if path.endswith(".train") or path.endswith(".test"):
+    if path.endswith((".train", ".test", ".shares")):
         if not path.endswith("." + phase):
             other = path[:path.rfind(".")] + "." + phase
             if not os.path.exists(other):
                 raise CaffeError("%s: no .%s CSV beside it (%s)" % (path, phase, other))
             path = other
         return _pl.read_csv(path)
-    train, test = _pl.parse_log(path)
-    return [{k: float(v) for k, v in r.items()} for r in (train if phase == "train" else test)]
+    train, test, shares = _pl.parse_all(path)
+    return [{k: float(v) for k, v in r.items()} for r in {"train": train, "test": test, "shares": shares}[phase]]
 
 
 def plot_chart(chart_type, out_png, inputs):
@@ -45,18 +47,24 @@ def plot_chart(chart_type, out_png, inputs):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
     if chart_type not in CHARTS:
-        raise CaffeError("chart type %r is not one of 0..7" % chart_type)
+        raise CaffeError("chart type %r is not one of 0..%d" % (chart_type, max(CHARTS)))
     phase, field, xfield = CHARTS[chart_type]
     fig, ax = plt.subplots(figsize=(8, 5))
     plotted = 0
     for path in inputs:
         rows = _rows(path, phase)
-        ys = [(r[xfield], r[field]) for r in rows if field in r]
-        if not ys:
+        fields = [field] if phase != "shares" else [k for k in (rows[0] if rows else {}) if k.startswith("rank")]
+        lines = 0
+        for name in fields:
+            ys = [(r[xfield], r[name]) for r in rows if name in r]
+            if ys:
+                label = os.path.basename(path) + ("" if phase != "shares" else " " + name)
+                ax.plot([x for x, _ in ys], [y for _, y in ys], marker=".", label=label,
+                        drawstyle="steps-post" if phase == "shares" else "default")
+                lines += 1
+        if not lines:
             info("%s: no %s %s values", path, phase, field)
-            continue
-        ax.plot([x for x, _ in ys], [y for _, y in ys], marker=".", label=os.path.basename(path))
-        plotted += 1
+        plotted += lines
     if not plotted:
         plt.close(fig)
         raise CaffeError("no %s %s values in %s" % (phase, field, ", ".join(inputs)))
@@ -74,7 +82,7 @@ def plot_chart(chart_type, out_png, inputs):
 
 FLAGS = FlagSet("plot_training_log", "Plot training curves as a PNG. Chart types: " + "; ".join(
     "%d: %s %s vs. %s" % (k, phase.capitalize(), field, LABELS[x]) for k, (phase, field, x) in sorted(CHARTS.items())))
-FLAGS.argument("chart_type", "0..7", kind=int)
+FLAGS.argument("chart_type", "0..9", kind=int)
 FLAGS.argument("output_png", "the PNG to write")
 FLAGS.argument("LOG_OR_CSV", "training logs, or .train/.test CSV files written by parse_log", repeated=True)
 

@@ -8,7 +8,9 @@ keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
       fail_kind (raise|nan|kill|snapshot|hang: stops taking part, as a rank
       behind a dead link), comm_timeout, sfb (off|on|auto), comm_dtype, sync, tau, test_interval, after_train
       snapshot_format (hdf5), compress, compress_start_iter, link_gbps (the plan's link; gemm_gflops 50 with it),
-      clip (the solver's clip_gradients), lowrank_use (auto|all: every weight on low rank, whatever the plan)
+      clip (the solver's clip_gradients), lowrank_use (auto|all: every weight on low rank, whatever the plan),
+      balance (off|auto|B0:B1..., default auto as train's), slow_rank (the balancer's clock: a record
+      takes 1 ms, 3 ms on this rank; decisions every balance_interval seconds of that clock, default 0.1)
       (0: no snapshot_after_train),
       out (npz written by rank 0), each (npz path with %d: every rank writes its
       iteration, weights and EASGD centre when it stops, also on an error)
@@ -65,6 +67,19 @@ layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: 
     return head + layers
 
 
+def simulate_speeds(balancer, rank, slow_rank, interval):
+    """The balancer's clock: the seconds this rank's share takes at 1 ms a
+    record (3 ms on ``slow_rank``), so its decisions are the same every run."""
+    per_record = 0.003 if rank == slow_rank else 0.001
+    now = [0.0]
+
+    def clock():
+        shares = balancer.net.batch_shares
+        now[0] += per_record * (shares[rank] if shares else balancer.batch)
+        return now[0]
+    balancer.clock, balancer.interval = clock, interval
+
+
 def main():
     d, global_b, max_iter = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
     kw = dict(a.split("=", 1) for a in sys.argv[4:])
@@ -76,7 +91,10 @@ def main():
                                                 compress=kw.get("compress", "none"),
                                                 compress_start_iter=int(kw.get("compress_start_iter", 0)),
                                                 link_gbps=float(kw.get("link_gbps", 0)),
-                                                gemm_gflops=50.0 if kw.get("link_gbps") else 0.0))
+                                                gemm_gflops=50.0 if kw.get("link_gbps") else 0.0,
+                                                balance=kw.get("balance", "auto")))
+    if kw.get("slow_rank"):
+        simulate_speeds(sync.balancer, world.rank, int(kw["slow_rank"]), float(kw.get("balance_interval", 0.1)))
 
     for plugin in getattr(sync, "plugins", ()):
         if kw.get("lowrank_use") and hasattr(plugin, "use"):
@@ -140,7 +158,7 @@ def main():
                          center=averager.center if averager else np.zeros(0))
         if world.rank == 0 and kw.get("out"):
             np.savez(kw["out"], w=solver.net.param_data, iter=solver.iter,
-                     test=np.asarray(solver.test_scores[0]))
+                     test=np.asarray(solver.test_scores[0]), shares=np.asarray(solver.net.batch_shares or ()))
         if kw.get("sync", "sgd") == "sgd":
             assert sync.collectives.check_in_sync(solver.net), "weights differ between ranks"
         return 0

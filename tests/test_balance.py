@@ -1,0 +1,224 @@
+"""Uneven batch shares (--balance) in one process: each layer's say
+(Layer.share_scale), the net's loss weights and reshapes, the share
+arithmetic and the balancer's decisions on a simulated pair of ranks.
+The MPI runs against one process are tests/mpi/test_balance.py."""
+import numpy as np
+import pytest
+from google.protobuf import text_format
+
+import caffempi.layer_types.data  # noqa: F401  (registers the data layers)
+from caffempi import CaffeError, Net, TRAIN
+from caffempi.data.reader import shard_positions
+from caffempi.parallel.balance import ShareBalancer, parse_balance, proportional_shares
+from caffempi.proto import caffe_pb2
+
+LOSS = {
+    "softmax": 'type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label"',
+    "none": 'type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" loss_param { normalization: NONE }',
+    "full": 'type: "SoftmaxWithLoss" bottom: "ip2" bottom: "label" loss_param { normalization: FULL }',
+    "euclidean": 'type: "EuclideanLoss" bottom: "ip2" bottom: "target"',
+    "sigmoid": 'type: "SigmoidCrossEntropyLoss" bottom: "ip2" bottom: "target"',
+}
+
+
+def mlp(batch, loss="softmax", extra="", shard=(0, 1)):
+    text = '''
+layer { name: "data" type: "MemoryData" top: "data" top: "label"
+        memory_data_param { batch_size: %d channels: 2 height: 3 width: 3 } }
+layer { name: "ip1" type: "InnerProduct" bottom: "data" top: "ip1"
+        inner_product_param { num_output: 7 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "relu" type: "ReLU" bottom: "ip1" top: "ip1" }
+%s
+layer { name: "ip2" type: "InnerProduct" bottom: "ip1" top: "ip2"
+        inner_product_param { num_output: 4 weight_filler { type: "gaussian" std: 0.3 } } }
+layer { name: "target" type: "DummyData" top: "target"
+        dummy_data_param { shape { dim: %d dim: 4 } data_filler { type: "constant" value: 0.5 } } }
+layer { name: "sil" type: "Silence" bottom: "target" }
+layer { name: "loss" %s top: "loss" }
+''' % (batch, extra, batch, LOSS[loss])
+    if loss in ("euclidean", "sigmoid"):
+        text = text.replace('layer { name: "sil" type: "Silence" bottom: "target" }', "")
+    from caffempi.common import set_random_seed
+    set_random_seed(3)
+    return Net(text_format.Parse(text, caffe_pb2.NetParameter()), TRAIN, data_shard=shard)
+
+
+def gradient(net, x, y):
+    net.layers[0].reset(x, y)
+    net.clear_param_diffs()
+    net.forward_backward()
+    return net.param_diff.copy()
+
+
+@pytest.mark.parametrize("loss", sorted(LOSS))
+@pytest.mark.parametrize("shares", [(9, 3), (1, 11), None])
+def test_the_mean_of_uneven_shares_is_the_global_gradient(loss, shares):
+    """Rank r's gradient on its share, weighted as the net weights it, and
+    averaged over the ranks as the sums do: the one-process gradient of the
+    global batch, for losses normalised by the batch, by all outputs and
+    not at all (where 'the global gradient' is the equal split's, 1/N of
+    the sum)."""
+    r = np.random.RandomState(0)
+    x = r.randn(12, 2, 3, 3).astype(np.float32)
+    y = r.randint(0, 4, 12).astype(np.float32)
+    ranks = []
+    for rank in range(2):
+        net = mlp(6, loss, shard=(rank, 2))
+        net.set_batch_shares(shares)
+        ranks.append(gradient(net, x, y))
+    mean = (ranks[0] + ranks[1]) / 2
+    if loss == "none":                  # the equal split's: each rank's sum over its records, halved
+        split = [mlp(6, loss, shard=(rank, 2)) for rank in range(2)]
+        want = (gradient(split[0], x, y) + gradient(split[1], x, y)) / 2
+    else:
+        want = gradient(mlp(12, loss), x, y)
+    np.testing.assert_allclose(mean, want, rtol=0, atol=2e-6 * max(1.0, float(np.abs(want).max())))
+
+
+def test_shares_reshape_the_net_and_weight_its_loss():
+    net = mlp(6, shard=(1, 2))
+    r = np.random.RandomState(1)
+    net.layers[0].reset(r.randn(12, 2, 3, 3).astype(np.float32), np.zeros(12, np.float32))
+    net.set_batch_shares((8, 4))
+    net.forward_backward()
+    assert net.blobs["data"].shape == (4, 2, 3, 3) and net.blobs["ip2"].shape == (4, 4)
+    assert float(net.blobs["loss"].diff) == pytest.approx(4 / 6)
+    net.set_batch_shares(None)
+    net.forward_backward()
+    assert net.blobs["data"].shape == (6, 2, 3, 3) and float(net.blobs["loss"].diff) == 1.0
+
+
+@pytest.mark.parametrize("extra,loss,why", [
+    ('layer { name: "bn" type: "BatchNorm" bottom: "ip1" top: "ip1" }', "softmax", "layer 'bn' (BatchNorm)"),
+    ('layer { name: "cat" type: "Concat" bottom: "ip1" bottom: "ip1" top: "c" concat_param { axis: 0 } }\n'
+     'layer { name: "s" type: "Silence" bottom: "c" }', "softmax", "layer 'cat' (Concat)"),
+    ('layer { name: "red" type: "Reduction" bottom: "ip1" top: "red" }\n'
+     'layer { name: "s" type: "Silence" bottom: "red" }', "softmax", "layer 'red' (Reduction)"),
+    ("", "softmax_ignore", "layer 'loss' (SoftmaxWithLoss)"),
+])
+def test_nets_that_mix_samples_keep_equal_shares(extra, loss, why):
+    LOSS["softmax_ignore"] = LOSS["softmax"] + " loss_param { ignore_label: 3 }"
+    net = mlp(6, loss, extra, shard=(0, 2))
+    batch, reason = net.shareable_batch()
+    assert batch is None and why in reason
+    with pytest.raises(CaffeError, match="cannot split its batch unevenly"):
+        net.set_batch_shares((8, 4))
+    net.set_batch_shares(None)            # equal shares always go
+
+
+def test_global_statistics_batchnorm_and_axis_one_layers_allow_shares():
+    extra = ('layer { name: "bn" type: "BatchNorm" bottom: "ip1" top: "ip1" '
+             'batch_norm_param { use_global_stats: true } }\n'
+             'layer { name: "cat" type: "Concat" bottom: "ip1" bottom: "ip1" top: "c" }\n'
+             'layer { name: "s" type: "Silence" bottom: "c" }')
+    assert mlp(6, "softmax", extra, shard=(0, 2)).shareable_batch() == (6, None)
+
+
+def test_share_counts_are_checked():
+    net = mlp(6, shard=(0, 2))
+    for bad in [(6, 5), (12, 0), (4, 4, 4)]:
+        with pytest.raises(CaffeError, match="2 positive counts summing to 12"):
+            net.set_batch_shares(bad)
+    p = text_format.Parse('layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 } } }',
+                          caffe_pb2.NetParameter())
+    assert "no data layer" in Net(p, TRAIN).shareable_batch()[1]
+
+
+def test_positions_of_uneven_shares_cover_the_global_batch_once():
+    for shares in [(5, 1, 6), (4, 4, 4), (1, 1, 10)]:
+        for k in range(3):
+            got = [shard_positions(k, 4, r, 3, shares) for r in range(3)]
+            assert sum(got, []) == list(range(12 * k, 12 * k + 12))
+            assert [len(g) for g in got] == list(shares)
+    assert shard_positions(2, 3, 1, 2) == [13, 15, 17]      # equal shares: Caffe's interleaving
+
+
+def test_proportional_shares():
+    assert proportional_shares(64, [1.0, 3.0]) == (48, 16)
+    assert proportional_shares(12, [1.0, 2.0, 3.0]) == (7, 3, 2)        # 6.5 3.3 2.2 by largest remainders
+    assert proportional_shares(64, [1.0, 1000.0], floor=3) == (61, 3)
+    assert sum(proportional_shares(101, [0.3, 0.7, 0.11])) == 101
+    assert parse_balance("auto") == ("auto", None) and parse_balance(" 3:1") == ("fixed", (3, 1))
+    for bad in ("on", "3", "3:0", "a:b"):
+        with pytest.raises(CaffeError, match="--balance"):
+            parse_balance(bad)
+
+
+class PairWorld:
+    """Rank 0 of two; the other rank's step times come from ``other``."""
+    rank, size = 0, 2
+
+    def __init__(self, other):
+        self.other = other
+        self.gathers = 0
+
+    def allgather(self, obj, what=""):
+        self.gathers += 1
+        return [obj, self.other(self.gathers)]
+
+
+class SimulatedClock:
+    """Seconds that pass as this rank computes its share at ``per_record``."""
+
+    def __init__(self, net, per_record):
+        self.net, self.per_record, self.now = net, per_record, 0.0
+
+    def __call__(self):
+        shares = self.net.batch_shares
+        self.now += self.per_record * (shares[0] if shares else 6)
+        return self.now
+
+
+def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
+    net = mlp(6, shard=(0, 2))
+    net.layers[0].reset(np.zeros((12, 2, 3, 3), np.float32), np.zeros(12, np.float32))
+    slow = {"per_record": 0.003}
+
+    def other(_):                          # rank 1's median step: its share at its own speed
+        shares = net.batch_shares
+        return slow["per_record"] * (shares[1] if shares else 6)
+    world = PairWorld(other)
+    balancer = ShareBalancer("auto", interval=0.1, clock=SimulatedClock(net, 0.001))
+    balancer.attach(world, net)
+
+    def iterate(n):
+        for _ in range(n):
+            balancer.before_iteration()
+            net.forward_backward()
+            balancer.after_compute()
+    iterate(5)
+    assert net.batch_shares is None and world.gathers == 0
+    iterate(1)                             # the first gather sets the period: 0.1 s / 18 ms = 6
+    assert world.gathers == 1 and net.batch_shares is None and balancer.state()["period"] == 6
+    iterate(6)                             # 1 ms a record against 3: 9 and 3
+    assert net.batch_shares == (9, 3) and net.blobs["data"].shape[0] == 9
+    saved = balancer.state()
+    slow["per_record"] = 0.00224          # 8 and 4 would gain 0.4% of the step, under 2%: no change
+    assert proportional_shares(12, [0.001, 0.00224]) == (8, 4)
+    iterate(12)
+    assert net.batch_shares == (9, 3) and world.gathers > 2
+    slow["per_record"] = 0.001            # as fast again: equal shares, Caffe's rule
+    iterate(12)
+    assert net.batch_shares is None
+    again = ShareBalancer("auto", interval=0.1)
+    again.attach(world, net)
+    again.load_state(saved)
+    again.before_iteration()
+    assert net.batch_shares == (9, 3) and again.state()["count"] == saved["count"] + 1
+
+
+def test_the_balancer_keeps_equal_shares_where_it_must(caplog):
+    world = PairWorld(lambda _: 0.01)
+    net = mlp(6, "softmax", 'layer { name: "bn" type: "BatchNorm" bottom: "ip1" top: "ip1" }', shard=(0, 2))
+    balancer = ShareBalancer("auto")
+    with caplog.at_level("INFO"):
+        balancer.attach(world, net)
+    assert not balancer.active and "equal (--balance=auto): layer 'bn' (BatchNorm)" in caplog.text
+    with pytest.raises(CaffeError, match="--balance=9:3: layer 'bn'"):
+        ShareBalancer("9:3").attach(world, net)
+    with pytest.raises(CaffeError, match="give 2 counts summing to 12"):
+        ShareBalancer("9:4").attach(world, mlp(6, shard=(0, 2)))
+    fixed = ShareBalancer("9:3")
+    fixed.attach(world, mlp(6, shard=(0, 2)))
+    fixed.before_iteration()
+    assert fixed.net.batch_shares == (9, 3)
