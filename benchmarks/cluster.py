@@ -21,6 +21,14 @@ rank), powersgd_fp16 (both), barrier (no gradients: a barrier after each
 backward, the job's ceiling on these hosts: what the ranks lose waiting
 for the slower one).  CaffeNet is BVLC's
 reference prototxt from ../shared, with random input, 8 images a rank.
+
+--balance off,auto runs each mode with each batch-share setting (a mode
+'default/auto'; the nets then read DummyData, as scaling.py's), and
+--throttle F holds host 2's rank and the pair's second process to F of a
+core (scaling.py's cgroups): a slow host.
+
+    sudo .venv/bin/python benchmarks/cluster.py --nets lenet,cifar10_quick --rates 1gbit \
+        --modes default --balance off,auto --throttle 0.6
 """
 import argparse
 import json
@@ -55,19 +63,22 @@ def slot_seconds(a, net):
 def run_paired(cluster, a, net, mode):
     """The independent pair (here) and the 2-host job alive together, taking
     turns in time slots (scaling.py's pairing), so both see the same load."""
+    mode, _, balance = mode.partition("/")
     comm, a.sfb, a.comm_dtype, a.compress = MODES[mode]
+    if balance and comm != "barrier":
+        comm += "/" + balance
     slot = slot_seconds(a, net)
     t0 = time.time() + a.startup
     procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1))
     out = tempfile.mktemp(suffix=".json")
-    job = cluster.popen(scaling.worker_args(a, net, comm, out, (slot, a.slots, t0, 0)), env=scaling.bench_env(),
-                        stderr=subprocess.PIPE, text=True)
+    job = cluster.popen(scaling.worker_args(a, net, comm, out, (slot, a.slots, t0, 0), scaling.throttled(a, "job")),
+                        env=scaling.bench_env(), stderr=subprocess.PIPE, text=True)
     _, err = job.communicate(timeout=a.timeout)
     if job.returncode:
         raise SystemExit("the %s job on %s failed:\n%s" % (mode, net, err[-3000:]))
     pair = scaling.collect(procs, outs, a)
     res = scaling.collect([], [out], a)
-    choices = [line.split("] ", 1)[-1] for line in err.splitlines() if "Plan: " in line]
+    choices = [line.split("] ", 1)[-1] for line in err.splitlines() if "Plan: " in line or "Batch shares: " in line]
     return pair, res, choices
 
 
@@ -87,7 +98,21 @@ def main():
     ap.add_argument("--startup", type=float, default=25.0, help="seconds allowed for start-up (CaffeNet's "
                     "initial weights take 2 s to cross a 1 Gbit/s link)")
     ap.add_argument("--json", help="write all results here")
+    ap.add_argument("--balance", default="off", help="batch shares: off, auto, B0:B1, or a comma list (each mode "
+                    "runs with each; anything but off: DummyData input)")
+    ap.add_argument("--throttle", default=None, help="a fraction of a core for host 2's rank and the pair's "
+                    "second process (cgroups)")
     a = ap.parse_args()
+    balances = a.balance.split(",")
+    a.data = "input" if balances == ["off"] else "dummy"
+    modes = [m if b == "off" else m + "/" + b for m in a.modes.split(",") for b in balances]
+    if a.throttle:
+        with scaling.Throttle(float(a.throttle), ("pair", "job")) as a.cgroups:
+            return run(a, modes)
+    return run(a, modes)
+
+
+def run(a, modes):
     a.allreduce_reps = 1          # the whole gradient alone, once: 244 MB on a slow link
     reason = None if a.modes == "pair" else unavailable_reason()
     if reason:
@@ -108,7 +133,7 @@ def main():
             continue
         for rate in a.rates.split(","):
             with Cluster(2, None if rate == "none" else rate) as cluster:
-                for mode in a.modes.split(","):
+                for mode in modes:
                     pair_runs, res, choices = run_paired(cluster, a, net, mode)
                     pair, s = scaling.summarize(pair_runs), scaling.summarize(res)
                     eff = s["images_per_s"] / pair["images_per_s"]

@@ -23,6 +23,16 @@ to finish its backward, from the ranks' common monotonic clock) and comm
 (what is left: communication not hidden behind the slowest rank's backward).
 --json writes everything (tools/scaling_model.py reads it).
 
+--balance off,auto runs each --comm mode with each batch-share setting
+(caffempi train's --balance; a row 'mpi/shm/auto'), and then feeds the nets
+from DummyData layers (constant values, filled once; the Input layers of
+the other runs cannot take uneven shares), the independent pair included.
+Images/s counts the images each process actually ran.
+
+--throttle F (root) holds one process of each kind, the pair's second and
+the job's rank 1, to F of a core (a cgroup CPU quota, one cgroup each): a
+slow host, against the sum of the two processes' own rates.
+
     .venv/bin/python benchmarks/scaling.py                  # both nets, shm+overlap+blocking+barrier
     .venv/bin/python benchmarks/scaling.py --repeat 4       # and each mode's median over 4 rounds
     .venv/bin/python benchmarks/scaling.py --nets lenet --comm overlap,thread,async,nopoll,blocking
@@ -60,6 +70,25 @@ def load_net_param(name):
     path, shape, batch = NETS[name]
     p = proto_io.read_net_param(str(REPO / path))
     return substitute_data_layers(p, shape, only_unreadable=False, warn=False, batch_size=batch)
+
+
+def dummy_data(net_param):
+    """``net_param`` with each Input layer a DummyData layer of the same
+    tops and shapes, constant values (data 0.1, labels 0: any classifier's
+    valid class) filled once: data layers that can take batch shares."""
+    from caffempi.proto import caffe_pb2
+    out = caffe_pb2.NetParameter()
+    out.CopyFrom(net_param)
+    for lp in out.layer:
+        if lp.type != "Input":
+            continue
+        lp.type = "DummyData"
+        dp = lp.dummy_data_param
+        for k, shape in enumerate(lp.input_param.shape):
+            dp.shape.add().CopyFrom(shape)
+            dp.data_filler.add(type="constant", value=0.1 if k == 0 else 0.0)
+        lp.ClearField("input_param")
+    return out
 
 
 # ------------------------------------------------------------------ worker
@@ -100,7 +129,8 @@ def _solver(args, sync):
     from caffempi.proto import caffe_pb2
     from caffempi.solvers import SGDSolver
     p = caffe_pb2.SolverParameter()
-    p.net_param.CopyFrom(load_net_param(args.net))
+    net_param = load_net_param(args.net)
+    p.net_param.CopyFrom(dummy_data(net_param) if args.data == "dummy" else net_param)
     p.base_lr, p.lr_policy, p.max_iter = 0.001, "fixed", 1 << 30
     p.display = p.snapshot = 0
     p.snapshot_after_train = False
@@ -109,13 +139,109 @@ def _solver(args, sync):
 
 
 def _averager(world, comm, args):
+    from caffempi.parallel.balance import ShareBalancer
     from caffempi.parallel.config import ParallelConfig
     from caffempi.parallel.sync import BucketedAllreduce
     if comm == "barrier":
         return Lockstep(world)
     plugins = ParallelConfig(sfb=args.sfb, compress=args.compress, comm_dtype=args.comm_dtype).make_plugins()
     return BucketedAllreduce(world, comm=comm, bucket_mb=args.bucket_mb, first_bucket_mb=args.first_bucket_mb,
-                             comm_dtype=args.comm_dtype, plugins=plugins)
+                             comm_dtype=args.comm_dtype, plugins=plugins,
+                             balancer=None if args.balance == "off" else ShareBalancer(args.balance))
+
+
+class Throttle:
+    """Cgroups that hold their processes to ``fraction`` of a core (the
+    CPU controller's quota: cgroup v2 ``cpu.max``, else v1
+    ``cpu.cfs_quota_us``), one per name; removed on exit (root).
+
+    A worker joins by writing its pid into ``pidfile(name)`` and waiting
+    until /proc/self/cgroup names the cgroup: this process moves it, since
+    a worker on an emulated host (``ip netns exec``) has a /sys of its own,
+    without the cgroup mounts."""
+    V2, V1 = "/sys/fs/cgroup", "/sys/fs/cgroup/cpu"
+
+    def __init__(self, fraction, names):
+        import threading
+        self.paths, self.pidfiles = {}, {}
+        self._dir = tempfile.mkdtemp(prefix="caffempi-throttle-")
+        v2 = os.path.exists(os.path.join(self.V2, "cgroup.controllers"))
+        for name in names:
+            base = "caffempi-throttle-%d-%s" % (os.getpid(), name)
+            path = os.path.join(self.V2 if v2 else self.V1, base)
+            os.makedirs(path, exist_ok=True)
+            period = 100000
+            if v2:
+                _write(os.path.join(path, "cpu.max"), "%d %d" % (int(fraction * period), period))
+            else:
+                _write(os.path.join(path, "cpu.cfs_period_us"), str(period))
+                _write(os.path.join(path, "cpu.cfs_quota_us"), str(int(fraction * period)))
+            self.paths[name] = path
+            self.pidfiles[name] = os.path.join(self._dir, base + ".pid")
+        self._stop = threading.Event()
+        self._mover = threading.Thread(target=self._move, daemon=True)
+        self._mover.start()
+
+    def pidfile(self, name):
+        return self.pidfiles[name]
+
+    def _move(self):
+        moved = set()
+        while not self._stop.wait(0.02):
+            for name, pidfile in self.pidfiles.items():
+                try:
+                    with open(pidfile) as f:
+                        pids = [int(line) for line in f.read().split()]
+                except (OSError, ValueError):
+                    continue
+                for pid in pids:
+                    if (name, pid) not in moved:
+                        try:
+                            _write(os.path.join(self.paths[name], "cgroup.procs"), str(pid))
+                        except OSError as e:
+                            print("could not throttle pid %d: %s" % (pid, e), file=sys.stderr)
+                        moved.add((name, pid))
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._mover.join()
+        for path in self.paths.values():
+            try:
+                os.rmdir(path)
+            except OSError as e:
+                print("could not remove %s: %s" % (path, e), file=sys.stderr)
+        for pidfile in self.pidfiles.values():
+            if os.path.exists(pidfile):
+                os.unlink(pidfile)
+        os.rmdir(self._dir)
+
+
+def _write(path, text):
+    with open(path, "w") as f:
+        f.write(text)
+
+
+def join_cgroup(spec, rank):
+    """A worker's RANK:PIDFILE (--throttle): rank RANK asks the driver's
+    :class:`Throttle` for its cgroup and waits until it is in it."""
+    if not spec:
+        return
+    which, _, pidfile = spec.partition(":")
+    if int(which) != rank:
+        return
+    with open(pidfile, "a") as f:
+        f.write("%d\n" % os.getpid())
+    name = os.path.basename(pidfile)[:-len(".pid")]
+    deadline = time.time() + 30
+    while time.time() < deadline:
+        with open("/proc/self/cgroup") as f:
+            if name in f.read():
+                return
+        time.sleep(0.02)
+    raise SystemExit("pid %d was not moved into cgroup %s" % (os.getpid(), name))
 
 
 def _tx_bytes():
@@ -163,6 +289,7 @@ def worker(args):
     from caffempi.parallel.sfb import factor_shape
 
     world = _start(args, "blocking" if args.comm == "barrier" else args.comm)
+    join_cgroup(args.cgroup, world.rank)
     red = _averager(world, args.comm, args)
     solver = _solver(args, red)
     net = solver.net
@@ -172,11 +299,13 @@ def worker(args):
     compute, exposed, layer_bw = [], [], np.zeros(len(net.layers))
     bw_end = []     # perf_counter at backward end (CLOCK_MONOTONIC: one clock per host)
     fwd_ms, bwd_ms = [], []
+    images = []     # each timed step's batch on this rank (batch shares change it)
 
     def one(record):
         solver.step(1)
         done = time.perf_counter()
         if record:
+            images.append(net.blobs["data"].shape[0])
             c = clock
             compute.append((c.backward_end - c.start) + (done - c.ready))
             bw_end.append(c.backward_end)
@@ -257,7 +386,8 @@ def worker(args):
            # (a median step would hide the slow steps that cost the
            # independent runs throughput and that the 2-rank job's max over
            # ranks has already absorbed)
-           "images_per_s": batch * args.iters / elapsed,
+           "images_per_s": sum(images) / elapsed,
+           "shares": list(net.batch_shares or ()),
            "step_ms": 1e3 * elapsed / args.iters,
            "median_step_ms": 1e3 * float(np.median(iter_times)),
            "compute_ms": 1e3 * float(np.mean(compute)),
@@ -343,8 +473,12 @@ def _mpiexec():
     return mpiexec_path() or "mpiexec"
 
 
-def worker_args(a, net, comm, out, slot=None):
+def worker_args(a, net, kind, out, slot=None, throttle=None):
+    """A worker's command line; ``kind`` is a --comm mode, maybe with
+    '/balance'; ``throttle`` RANK:CGROUP puts that rank in a cgroup."""
+    comm, _, balance = kind.partition("/")
     args = [sys.executable, __file__, "--worker", "--net", net, "--comm", comm, "--iters", str(a.iters),
+            "--balance", balance or "off", "--data", getattr(a, "data", None) or "input",
             "--warmup", str(a.warmup), "--bucket_mb", str(a.bucket_mb),
             "--first_bucket_mb", str(a.first_bucket_mb), "--sfb", getattr(a, "sfb", "off"),
             "--comm_dtype", getattr(a, "comm_dtype", "fp32"), "--compress", getattr(a, "compress", "none"),
@@ -354,21 +488,33 @@ def worker_args(a, net, comm, out, slot=None):
     if slot:
         args += ["--slot", str(slot[0]), "--slots", str(slot[1]), "--t0", repr(slot[2]),
                  "--parity", str(slot[3])]
+    if throttle:
+        args += ["--cgroup", throttle]
     return args
+
+
+def throttled(a, kind):
+    """The --throttle worker argument of the pair ('pair': its second
+    process, a rank 0 of its own) or the job ('job': rank 1), or None."""
+    cgroups = getattr(a, "cgroups", None)
+    if not cgroups:
+        return None
+    return "0:" + cgroups.pidfile("pair") if kind == "pair" else "1:" + cgroups.pidfile("job")
 
 
 def start_independent(a, net, n, slot=None):
     outs = [tempfile.mktemp(suffix=".json") for _ in range(n)]
     env = bench_env()
     env["CAFFEMPI_MPI"] = "0"
-    procs = [subprocess.Popen(worker_args(a, net, "blocking", o, slot), env=env) for o in outs]
+    procs = [subprocess.Popen(worker_args(a, net, "blocking", o, slot, throttled(a, "pair") if k == 1 else None),
+                              env=env) for k, o in enumerate(outs)]
     return procs, outs
 
 
 def _start_mpi(a, net, comm, n, slot=None, extra=()):
     out = tempfile.mktemp(suffix=".json")
-    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + worker_args(a, net, comm, out, slot) + list(extra),
-                         env=bench_env())
+    p = subprocess.Popen([_mpiexec(), "-n", str(n)] + worker_args(a, net, comm, out, slot, throttled(a, "job"))
+                         + list(extra), env=bench_env())
     return [p], [out]
 
 
@@ -449,19 +595,40 @@ def main():
     ap.add_argument("--comm_dtype", default="fp32", help="fp32, or fp16 (buckets and factors sent as float16)")
     ap.add_argument("--compress", default="none", help="none, or powersgd[:RANK] (low rank where the plan "
                     "finds it pays)")
+    ap.add_argument("--balance", default="off", help="batch shares of the MPI job: off, auto, B0:B1:..., or a "
+                    "comma list of them (each --comm mode runs with each; anything but off feeds the nets "
+                    "from DummyData)")
+    ap.add_argument("--data", default=None, help=argparse.SUPPRESS)
+    ap.add_argument("--throttle", default=None, help="(root) a fraction of a core, e.g. 0.6, for the pair's second "
+                    "process and the job's rank 1 (a slow host); the efficiency is then against the sum of "
+                    "the two processes' own rates")
     ap.add_argument("--interleave", action="store_true",
                     help="instead: one --ranks job per net that takes the --comm modes (of shm, overlap, "
                          "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "
                          "mode's step and its cost over barrier")
+    ap.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)     # a worker's RANK:CGROUP
     a = ap.parse_args()
-    import numpy as np
     from caffempi.parallel.buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
     a.bucket_mb = DEFAULT_BUCKET_MB if a.bucket_mb is None else a.bucket_mb
     a.first_bucket_mb = DEFAULT_FIRST_BUCKET_MB if a.first_bucket_mb is None else a.first_bucket_mb
     if a.worker:
         return interleaved_worker(a) if a.interleave else worker(a)
+    if a.throttle:
+        with Throttle(float(a.throttle), ("pair", "job")) as a.cgroups:
+            return drive(a)
+    return drive(a)
+
+
+def drive(a):
+    """The benchmark's runs and table (the driver process)."""
+    import numpy as np
     n = a.ranks
-    comms = a.comm.split(",")
+    balances = a.balance.split(",")
+    if a.data is None:
+        a.data = "input" if balances == ["off"] else "dummy"
+    comms = [c if b == "off" or c == "barrier" else c + "/" + b
+             for c in a.comm.split(",") for b in balances]
+    comms = list(dict.fromkeys(comms))
     allres = {}
     if a.interleave:
         print("ranks=%d, 1 BLAS thread per process, %d steps per mode, interleaved, each from a barrier"
@@ -474,7 +641,8 @@ def main():
                 json.dump(allres, f, indent=1)
         return
     print("ranks=%d, 1 BLAS thread per process, %d timed iterations (+%d warm-up), bucket %.2g MB "
-          "(first %.2g MB)" % (n, a.iters, a.warmup, a.bucket_mb, a.first_bucket_mb))
+          "(first %.2g MB), data from %s layers" % (n, a.iters, a.warmup, a.bucket_mb, a.first_bucket_mb,
+                                                     "DummyData" if a.data == "dummy" else "Input"))
     hdr = "%-14s %-12s %9s %6s %8s %8s %8s %9s %8s %8s %8s" % (
         "net", "run", "images/s", "eff", "step", "(median)", "compute", "allreduce", "exposed", "(skew", "comm)")
     print(hdr)
