@@ -150,7 +150,7 @@ def run(a, modes):
                         print("    warning: steps ran into the other kind's slots for %.0f%% of their time, "
                               "slowing it; pass a --slot longer than a step and a --startup that holds the "
                               "warm-up" % (100 * overran))
-                    results.append({"net": net, "rate": rate, "mode": mode, "efficiency": eff,
+                    results.append({"net": net, "rate": rate, "mode": mode, "efficiency": eff, "throttle": a.throttle,
                                     "images_per_s": s["images_per_s"], "step_ms": s["step_ms"],
                                     "pair_images_per_s": pair["images_per_s"], "pair_step_ms": pair["step_ms"],
                                     "link_mb_per_step": mb, "choices": choices, "runs": res,

@@ -591,7 +591,7 @@ def test_scaling_model_cluster_report_low_rank_rows():
     assert rows["powersgd"][-5:] == ["factors", "1,", "low", "rank", "1"] and rows["default"][-1] == "0"
     assert "3 predictions" in text or "of 3 predictions" in text
     table = [line.split() for line in text.splitlines() if line.startswith("toy ") and "hosts:" not in line
-             and ("GbE" in line or "-IB" in line)]
+             and ("GbE" in line or "-IB" in line) and "slow host" not in line]
     assert sorted((t[1], t[2], t[3]) for t in table) == sorted(
         (net, sfb, comp) for net in ("10GbE", "100Gb-IB") for sfb in ("off", "auto") for comp in ("none", "powersgd"))
     assert all(t[-1].endswith("x") for t in table)
@@ -613,6 +613,36 @@ def test_scaling_model_cluster_report_low_rank_rows():
     assert float(barrier[3]) == pytest.approx(136.0, abs=0.05) and barrier[-1] == "0"
     assert [line for line in again.splitlines() if "powersgd " in line and "100mbit" in line] == [
         line for line in text.splitlines() if "powersgd " in line and "100mbit" in line]
+
+
+def test_scaling_model_batch_shares_by_speed():
+    """Ranks at speeds 1 and 0.6: equal shares compute at the slow one's
+    pace, balanced shares (10 and 6 of 16) end together; a 2-host report
+    of throttled runs predicts each from the fastest process's profile, and
+    the host table's slow-host rows gain from balancing."""
+    scale = scaling_model.share_time_scale
+    assert scale([1.0, 0.6], 8, False) == pytest.approx(1 / 0.6)
+    assert scale([100.0, 60.0], 8, True) == pytest.approx(1.25)          # 2 / 1.6: whole records fit
+    assert scale([1.0, 0.7], 8, True) == pytest.approx(max(9 / 8, 7 / (0.7 * 8)))   # rounding left
+    assert scale([1.0] * 4, 8, True) == 1.0
+    links = {"1gbit": (50e-6, 8 / 1e9)}
+    records = []
+    for mode in ("default", "default/auto"):
+        fast = dict(_cluster_records()[0]["runs"][0], images_per_s=100.0, batch=8)
+        slow = scaling_model.scaled_profile(fast, 1 / 0.6)
+        slow.update(images_per_s=60.0, skew_ms=1.0, batch=8)
+        records.append({"net": "toy", "rate": "1gbit", "mode": mode, "efficiency": 0.7, "step_ms": 200.0,
+                        "choices": [], "runs": [fast, fast], "pair_runs": [fast, slow], "throttle": "0.6"})
+    text = scaling_model.cluster_report(records, links, 50e9, memory_rate=5e9, hosts=(16, 64))
+    rows = {line.split()[2]: line.split() for line in text.splitlines() if line.startswith("toy ") and "1gbit" in line}
+    off, auto = float(rows["default"][3]), float(rows["default/auto"][3])
+    assert off > 135.0 / 0.6 and 1.25 * 135.0 < auto < off
+    assert float(rows["default/auto"][6]) > float(rows["default"][6])
+    slow_rows = [line.split() for line in text.splitlines() if line.startswith("toy ") and "slow host" in line]
+    assert len(slow_rows) == 4
+    for equal, balanced in zip(slow_rows[::2], slow_rows[1::2]):
+        assert equal[-3] == "equal" and balanced[-3] == "balance"
+        assert all(float(b) > float(e) for e, b in zip(equal[-2:], balanced[-2:]))
 
 
 def test_scaling_model_bench_net_weights():

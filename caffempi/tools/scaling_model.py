@@ -19,6 +19,16 @@ runs' skew (the mean wait for the other rank's backward, 0.56 sigma) unless
 --jitter_ms gives it.  Efficiency = step time on one rank / step time on N
 ranks (each rank keeps its batch).
 
+Ranks of unequal speed (speeds s_r relative to the fastest, a slow host's
+persistent part; share_time_scale): with equal shares a step computes at
+the slowest rank's pace, 1 / min(s) of the fastest's time; with batch
+shares by speed (--balance=auto) every rank takes whole records in
+proportion to its speed, so a step computes in max_r b_r / (s_r b) of the
+fastest rank's time at batch b, the ideal N / sum(s) plus the rounding of
+whole records.  What the balancer cannot follow, jitter faster than its
+period of a few seconds, stays in the straggler term, now a *balance
+residual*: its sigma comes from the skew of runs balanced the same way.
+
 Sufficient factors (--sfb): a layer whose weight comes from the ranks'
 factors (M rows of N + K numbers a rank) sends no weight gradient; its
 factors cross the link as an allgather, (N-1) alpha + (N-1) M (N+K) 4 beta,
@@ -105,6 +115,35 @@ def buckets_from_layers(layers, bucket_mb, first_bucket_mb=1.0, itemsize=4):
             params.append((t, L["params"] * itemsize))
     groups = group_buckets([b for _, b in params], bucket_mb, first_bucket_mb)
     return [[params[g[-1]][0], sum(params[i][1] for i in g)] for g in groups]
+
+
+#: the host table's slow host: its speed relative to the others'
+SLOW_HOST = 0.6
+
+
+def share_time_scale(speeds, batch, balance):
+    """A synchronous step's compute time relative to the fastest rank's own
+    at the nominal batch ``batch``, for ranks of relative ``speeds``: equal
+    shares wait for the slowest (1 / min(s)); balanced shares (the
+    balancer's proportional_shares over the global batch) end together up
+    to a record."""
+    from ..parallel.balance import proportional_shares
+    top = max(speeds)
+    speeds = [s / top for s in speeds]
+    if not balance:
+        return 1.0 / min(speeds)
+    shares = proportional_shares(len(speeds) * batch, [1.0 / s for s in speeds], floor=max(1, batch // 10))
+    return max(n / (s * batch) for n, s in zip(shares, speeds))
+
+
+def scaled_profile(profile, factor):
+    """``profile`` with every compute time (forward, each layer's backward,
+    the step) times ``factor``."""
+    if factor == 1.0:
+        return profile
+    out = dict(profile, **{k: profile[k] * factor for k in ("forward_ms", "compute_ms", "step_ms") if k in profile})
+    out["layers"] = [dict(L, backward_ms=L["backward_ms"] * factor) for L in profile["layers"]]
+    return out
 
 
 def expected_max_normal(n):
@@ -562,6 +601,7 @@ def rate_bits(rate):
 def mean_profile(runs):
     """The per-layer profile of single-process runs (scaling.py worker JSON)."""
     prof = {k: float(np.mean([r[k] for r in runs])) for k in ("forward_ms", "compute_ms", "step_ms")}
+    prof["batch"] = runs[0].get("batch", 1)
     prof["layers"] = [dict(L, backward_ms=float(np.mean([r["layers"][i]["backward_ms"] for r in runs])))
                       for i, L in enumerate(runs[0]["layers"])]
     return prof
@@ -725,15 +765,23 @@ def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.
                 seen[r["net"]][name].append(shape)
     weights = dict(seen, **(weights or {}))
     for r in records:
-        profile = with_weights(mean_profile(r["pair_runs"]), weights.get(r["net"]))
-        profiles[r["net"]] = profile
+        base_mode, _, balance = r["mode"].partition("/")
+        uneven = r.get("throttle") is not None
+        speeds = [x["images_per_s"] for x in r["pair_runs"]] if uneven else []
+        # a throttled pair: the fastest process's profile, at each rank's speed; else the pair's mean
+        profile = with_weights(mean_profile([max(r["pair_runs"], key=lambda x: x["images_per_s"])]
+                                            if uneven else r["pair_runs"]), weights.get(r["net"]))
+        profiles.setdefault(r["net"], profile)
         if not r.get("runs"):
             continue
+        if uneven:
+            profile = scaled_profile(profile, share_time_scale(speeds, r["runs"][0]["batch"], balance == "auto"))
         alpha, beta = links[r["rate"]]
+        # the straggler term (a balance residual under auto) from the other runs balanced alike
         others = [np.mean([x["skew_ms"] for x in o["runs"]]) for o in measured
-                  if o["net"] == r["net"] and o is not r]
+                  if o["net"] == r["net"] and o is not r and o["mode"].partition("/")[2] == balance]
         jitter = jitter_from_skew(float(np.mean(others))) / 1e3 if others else 0.0
-        mode_compress, wire = _record_compress(r["mode"])
+        mode_compress, wire = _record_compress(base_mode)
         rank = parse_compress(mode_compress)[1]
         index = {L["name"]: L["index"] for L in profile["layers"]}
         taken = [(index[name], shape, way) for name, shape, way in plan_lines(r.get("choices")) if name in index]
@@ -750,22 +798,24 @@ def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.
             # no plan lines: the plan's rule at this link
             used, lowrank = plan(profile, 2, alpha, beta, gemm_rate, memory_rate, "auto", mode_compress, wire)
         fp16 = wire == 2
-        cost = (comm_costs or {}).get(r["rate"], {}).get(COMM_COST_SAME.get(r["mode"], r["mode"]), 0.0)
-        if r["mode"] == "barrier":
+        cost = (comm_costs or {}).get(r["rate"], {}).get(COMM_COST_SAME.get(base_mode, base_mode), 0.0)
+        if base_mode == "barrier":
             # a barrier after backward, no gradients: free communication, the straggler term only
             step = predict(profile, 2, 0.0, 1e-18, jitter=jitter)[0]
             used, lowrank = set(), []
         else:
-            step = predict(profile, 2, alpha, beta, "blocking" if r["mode"] == "blocking" else "overlap",
+            step = predict(profile, 2, alpha, beta, "blocking" if base_mode == "blocking" else "overlap",
                            jitter=jitter, factors=used, gemm_rate=gemm_rate, bytes_per_value=wire,
                            burst=burst, weight_grad_seconds=weight_grad_seconds, comm_cpu_seconds_per_byte=cost,
                            sum_link=(fp16_links or {}).get(r["rate"]) if fp16 else None, lowrank=lowrank,
                            memory_rate=memory_rate)[0]
         meas = r["step_ms"] / 1e3
         within.append(abs(step - meas) <= 0.1 * meas)
+        # efficiency against the pair's summed rates: the fastest's step over the job's, times 2 / sum(s)
+        ideal = single_step(profiles[r["net"]]) * (2.0 * max(speeds) / sum(speeds) if uneven else 1.0)
         lines.append("%-14s %-7s %-13s %10.1f %10.1f %+7.1f%% %9.3f %9.3f  %s" % (
             r["net"], r["rate"], r["mode"], 1e3 * step, 1e3 * meas, 100 * (step - meas) / meas,
-            single_step(profile) / step, r["efficiency"],
+            ideal / step, r["efficiency"],
             "factors %d, low rank %d" % (len(used), len(lowrank))))
     lines.append("%d of %d predictions within 10%%" % (sum(within), len(within)))
     cols = "".join("%9s" % ("%d hosts" % h) for h in hosts) + ("%12s" % "speedup@16" if 16 in hosts else "")
@@ -796,7 +846,21 @@ def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.
                     lines.append("%-14s %-9s %-5s %-13s" % (name, pname, sfb, comp)
                                  + "".join("%9.3f" % e for e in effs)
                                  + ("%11.1fx" % (16 * effs[list(hosts).index(16)]) if 16 in hosts else ""))
-    lines += ["(%s: %.2f of linear on 16 machines)" % (POSEIDON, 15.5 / 16), "",
+            for balance in (False, True):
+                # one host at SLOW_HOST of a core's speed, against the hosts' summed rates
+                effs = []
+                for h in hosts:
+                    speeds = [1.0] * (h - 1) + [SLOW_HOST]
+                    used, lowrank = plan(profile, h, alpha, beta, gemm_rate, memory_rate, "auto", "none")
+                    slow = scaled_profile(profile, share_time_scale(speeds, int(profile.get("batch", 1)), balance))
+                    effs.append(single_step(profile) * h / sum(speeds) / predict(
+                        slow, h, alpha, beta, "overlap", jitter=jitter, factors=used, gemm_rate=gemm_rate,
+                        weight_grad_seconds=weight_grad_seconds, memory_rate=memory_rate)[0])
+                lines.append("%-14s %-9s %-5s %-13s" % (name, pname, "auto", "slow host, %s" % (
+                    "balance" if balance else "equal")) + "".join("%9.3f" % e for e in effs))
+    lines += ["(%s: %.2f of linear on 16 machines; 'slow host' rows: one host at %.1f of the others' speed, "
+              "--balance=off ('equal') or auto ('balance'), against the hosts' summed rates)"
+              % (POSEIDON, 15.5 / 16, SLOW_HOST), "",
               "The plan of the sfb=auto, compress=%s rows:" % compress] + plans
     return "\n".join(lines)
 
