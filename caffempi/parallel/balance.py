@@ -32,7 +32,7 @@ import math
 import statistics
 import time
 
-from ..common import CaffeError, log
+from ..common import AgreedError, CaffeError, log
 
 BALANCE_MODES = ("off", "auto")
 
@@ -112,11 +112,11 @@ class ShareBalancer:
             return
         batch, why = net.shareable_batch()
         why = why_not or why
-        if self.fixed is not None:
+        if self.fixed is not None:     # every rank built the same net: they all stop here, rank 0 says why
             if why is not None:
-                raise CaffeError("--balance=%s: %s" % (":".join(map(str, self.fixed)), why))
+                raise AgreedError("--balance=%s: %s" % (":".join(map(str, self.fixed)), why))
             if len(self.fixed) != world.size or sum(self.fixed) != world.size * batch:
-                raise CaffeError("--balance=%s: give %d counts summing to %d (%d ranks x batch %d)" % (
+                raise AgreedError("--balance=%s: give %d counts summing to %d (%d ranks x batch %d)" % (
                     ":".join(map(str, self.fixed)), world.size, world.size * batch, world.size, batch))
         if why is not None:
             if world.rank == 0 and why != self._why:
