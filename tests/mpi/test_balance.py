@@ -64,6 +64,29 @@ def test_fixed_uneven_shares_train_as_one_process(data_dir, references, n, batch
 
 
 @needs_mpi
+def test_uneven_shares_with_iter_size(data_dir):
+    """Two passes an iteration, each reading its share of a global batch."""
+    one = data_dir / "iter_one.npz"
+    single([W, data_dir, 16, 10, "out=%s" % one, "prefix=is1", "iter_size=2", "test_interval=5"])
+    out = data_dir / "iter_two.npz"
+    mpirun(2, [W, data_dir, 16, 10, "out=%s" % out, "prefix=is2", "iter_size=2", "balance=5:11",
+               "test_interval=5"])
+    _close(np.load(out), np.load(one))
+
+
+@needs_mpi
+def test_low_rank_sums_with_uneven_shares(data_dir):
+    """PowerSGD's products are linear in the ranks' gradients: low rank at
+    shares 13:3 follows low rank at equal shares to float32 rounding."""
+    runs = {}
+    for shares in ("off", "13:3"):
+        runs[shares] = data_dir / ("lowrank_%s.npz" % shares.replace(":", "-"))
+        mpirun(2, [W, data_dir, 16, 12, "out=%s" % runs[shares], "prefix=lr%s" % shares.replace(":", ""),
+                   "balance=%s" % shares, "compress=powersgd:2", "lowrank_use=all", "sfb=off", "test_interval=5"])
+    _close(np.load(runs["13:3"]), np.load(runs["off"]), atol=1e-5)
+
+
+@needs_mpi
 def test_fp16_sums_with_uneven_shares(data_dir, references):
     out = data_dir / "fp16.npz"
     mpirun(2, [W, data_dir, 16, ITERS, "out=%s" % out, "balance=12:4", "comm_dtype=fp16", "sfb=on",

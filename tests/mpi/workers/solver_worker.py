@@ -9,7 +9,7 @@ keys: comm, snapshot (interval), resume (solverstate), weights (caffemodel to
       behind a dead link), comm_timeout, sfb (off|on|auto), comm_dtype, sync, tau, test_interval, after_train
       snapshot_format (hdf5), compress, compress_start_iter, link_gbps (the plan's link; gemm_gflops 50 with it),
       clip (the solver's clip_gradients), lowrank_use (auto|all: every weight on low rank, whatever the plan),
-      balance (off|auto|B0:B1..., default auto as train's), slow_rank (the balancer's clock: a record
+      balance (off|auto|B0:B1..., default auto as train's), iter_size, slow_rank (the balancer's clock: a record
       takes 1 ms, 3 ms on this rank; decisions every balance_interval seconds of that clock, default 0.1)
       (0: no snapshot_after_train),
       out (npz written by rank 0), each (npz path with %d: every rank writes its
@@ -116,6 +116,8 @@ def main():
         p.snapshot_after_train = kw.get("after_train", "1") != "0"
         if kw.get("clip"):
             p.clip_gradients = float(kw["clip"])
+        if kw.get("iter_size"):
+            p.iter_size = int(kw["iter_size"])
         if kw.get("snapshot_format") == "hdf5":
             p.snapshot_format = caffe_pb2.SolverParameter.HDF5
         if kw.get("other_cwd") and world.rank:
