@@ -1,7 +1,7 @@
 """The NumPy kernels' intra-op threads (caffempi.backend.threads): chunks run
-on several threads, convolution and pooling results are bitwise the same for
-every thread count, products stay right, errors come through, BLAS is kept
-at one thread."""
+on several threads, convolution, pooling and the layers' passes in blocks
+give bitwise the same results for every thread count, products stay right,
+errors come through, BLAS is kept at one thread."""
 import threading
 import time
 
@@ -9,9 +9,11 @@ import numpy as np
 import pytest
 from threadpoolctl import ThreadpoolController
 
-from caffempi.backend import cpu, threads
-from caffempi.backend.cpu import chunking, conv, pool
+from caffempi.backend import cpu, kernels, threads
+from caffempi.backend.cpu import blocks, chunking, conv, pool
+from caffempi.common import TEST, TRAIN
 from caffempi.testing.gil import stall_shares
+from caffempi.testing.gradient_check import check_gradient, run_layer
 
 
 @pytest.fixture
@@ -103,6 +105,85 @@ def test_pooling_is_bitwise_the_same_on_any_thread_count(shape, geom, small_chun
         y, idx = np.empty((1,) + shape[1:2] + (oh, ow), np.float32), np.empty((1,) + shape[1:2] + (oh, ow), np.int32)
         pool.numpy_max_forward(x[i:i + 1], geom, oh, ow, y, idx)
         assert np.array_equal(results[0][0][i:i + 1], y) and np.array_equal(results[0][1][i:i + 1], idx)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """Blocks of a few elements or channels even for test-sized arrays."""
+    monkeypatch.setattr(blocks, "ELEMENT_BLOCK_BYTES", 64)
+    monkeypatch.setattr(blocks, "CHANNEL_BLOCK_BYTES", 64)
+
+
+def test_elementwise_and_per_channel_blocks_cover_the_arrays(small_blocks, thread_counts):
+    x, y = rand((5, 7, 9), 0), rand((5, 7, 9), 1)
+    seen = []
+
+    def block(b):
+        seen.append(b)
+        kernels.sum_of_products(np, x[:, b], y[:, b], (0, 2))
+    threads.set_thread_count(2)
+    try:
+        out = kernels.elementwise(np, np.subtract, x, y)
+        kernels.per_channel(np, block, x.shape, x.dtype)
+    finally:
+        threads.set_thread_count(1)
+    assert np.array_equal(out, x - y) and out.flags.c_contiguous
+    channels = sorted(c for b in seen for c in range(7)[b])
+    assert channels == list(range(7)) and len(seen) > 2
+
+
+# (layer text, bottom shapes, top count, phase): the layers whose passes run
+# in blocks on the threads
+BLOCK_CASES = {
+    "BatchNorm": ('type: "BatchNorm"', [(4, 6, 3, 5)], 1, TRAIN),
+    "BatchNorm, global statistics": ('type: "BatchNorm"', [(4, 6, 3, 5)], 1, TEST),
+    "BatchNorm, scale and bias": ('type: "BatchNorm" batch_norm_param { scale_bias: true '
+                                  'bias_filler { type: "gaussian" } scale_filler { type: "gaussian" } }',
+                                  [(4, 6, 3, 5)], 1, TRAIN),
+    "MVN": ('type: "MVN"', [(4, 6, 3, 5)], 1, TRAIN),
+    "Scale": ('type: "Scale" scale_param { bias_term: true filler { type: "gaussian" } '
+              'bias_filler { type: "gaussian" } }', [(4, 6, 3, 5)], 1, TRAIN),
+    "Scale, two bottoms": ('type: "Scale" scale_param { axis: 0 }', [(4, 6, 3, 5), (4, 6)], 1, TRAIN),
+    "ReLU": ('type: "ReLU"', [(4, 6, 3, 5)], 1, TRAIN),
+    "Eltwise": ('type: "Eltwise" eltwise_param { coeff: 1 coeff: -0.5 coeff: 2 }', [(4, 6, 3, 5)] * 3, 1, TRAIN),
+    "Split": ('type: "Split"', [(4, 6, 3, 5)], 3, TRAIN),
+}
+
+
+def _layer_pass(text, shapes, tops, phase):
+    """Forward and backward (random top diffs) of a float32 layer: its
+    tops, bottom diffs and parameter diffs."""
+    layer, bottom, top = run_layer(text, [rand(s, i) for i, s in enumerate(shapes)], tops, phase, np.float32)
+    if phase == TEST:       # statistics to normalise with
+        for i, blob in enumerate(layer.blobs[:3]):
+            blob.data = np.abs(rand(blob.shape, 10 + i)) + 0.5
+        layer.forward(bottom, top)
+    for i, t in enumerate(top):
+        t.diff = rand(t.shape, 20 + i)
+    layer.backward(top, [True] * len(bottom), bottom)
+    return [t.data.copy() for t in top] + [b.diff for b in bottom] + [p.diff for p in layer.blobs]
+
+
+@pytest.mark.parametrize("case", sorted(BLOCK_CASES))
+def test_layer_passes_in_blocks_are_bitwise_the_same_on_any_thread_count(case, small_blocks, thread_counts):
+    results = at_each_count(thread_counts, lambda: _layer_pass(*BLOCK_CASES[case]))
+    for other in results[1:]:
+        for a, o in zip(results[0], other):
+            assert a.dtype == o.dtype == np.float32 and np.array_equal(a, o)
+    # and the blocks give what one block of everything gives
+    blocks.ELEMENT_BLOCK_BYTES = blocks.CHANNEL_BLOCK_BYTES = 1 << 30
+    for a, o in zip(results[0], _layer_pass(*BLOCK_CASES[case])):
+        np.testing.assert_allclose(a, o, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("case", ["BatchNorm", "BatchNorm, scale and bias", "Scale", "Scale, two bottoms"])
+def test_layer_gradients_in_blocks_on_two_threads(case, small_blocks, thread_counts):
+    text, shapes, tops, phase = BLOCK_CASES[case]
+    threads.set_thread_count(2)
+    try:
+        check_gradient(text, [np.random.RandomState(i).randn(*s) for i, s in enumerate(shapes)], num_top=tops)
+    finally:
+        threads.set_thread_count(1)
 
 
 @pytest.mark.parametrize("m, k, n", [(200, 300, 100), (16, 300, 1000), (1, 4096, 512)])

@@ -1,8 +1,9 @@
 """Intra-op threads for the NumPy kernels.
 
 The convolution, pooling and product kernels of :mod:`caffempi.backend.cpu`
-work in chunks (of images, or of rows of a product).  :func:`for_chunks`
-runs those chunks on T threads at once; NumPy releases the GIL in its
+work in chunks (of images, or of rows of a product), the layers'
+elementwise and per-channel passes in blocks (:mod:`.cpu.blocks`).
+:func:`for_chunks` runs those chunks on T threads at once; NumPy releases the GIL in its
 copies, ufuncs and matmul, so every thread runs copies and GEMMs.  T is the
 BLAS library's thread count when caffempi first computes
 (``OPENBLAS_NUM_THREADS`` or ``OMP_NUM_THREADS``, else one per core, as BLAS
@@ -14,10 +15,11 @@ Between NumPy calls a thread needs the GIL, so chunks made of many short
 calls scale badly: the convolution chunks (mostly GEMMs) gain most, the
 pooling chunks little; pooling stays threaded as it still shortens a step.
 
-The convolutions' and poolings' chunks never depend on T, and their
-partial sums are folded in chunk order, so their results are bitwise the
-same for any thread count (products split by :func:`cpu.matmul` may differ
-in the last bits; see there).
+The convolutions', poolings' and passes' chunks never depend on T, and
+their partial sums are folded in chunk order (a pass sums each channel
+within one block), so their results are bitwise the same for any thread
+count (products split by :func:`cpu.matmul` may differ in the last bits;
+see there).
 
 :func:`progress` makes the calling thread call a function between the
 chunks it runs, for the length of a ``with`` block: the solver runs backward

@@ -85,15 +85,17 @@ class ReLULayer(_Neuron):
         return self.slope < 0
 
     def compute(self, x):
+        xp = self.xp
         if self.slope == 0:
-            return self.xp.maximum(x, 0)
-        return self.xp.where(x > 0, x, x * self.slope)
+            return kernels.elementwise(xp, lambda x, out: xp.maximum(x, 0, out=out), x)
+        return xp.where(x > 0, x, x * self.slope)
 
     def gradient(self, x, y, dy):
-        positive = (y > 0) if self.slope >= 0 else (x > 0)
+        xp = self.xp
         if self.slope == 0:
-            return dy * positive
-        return self.xp.where(positive, dy, dy * self.slope)
+            return kernels.elementwise(xp, lambda dy, y, out: xp.multiply(dy, y > 0, out=out), dy, y)
+        positive = (y > 0) if self.slope > 0 else (x > 0)
+        return xp.where(positive, dy, dy * self.slope)
 
 
 @register("PReLU")

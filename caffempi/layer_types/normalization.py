@@ -1,25 +1,29 @@
 """Normalization layers: BatchNorm (per-channel statistics over the batch)
 and MVN (per-sample mean/variance normalization)."""
-import math
-
 from ..backend import kernels
 from ..common import TEST
 from ..proto import caffe_pb2
 from .base import Layer, register
 
 
-def _normalize_backward(xp, dy, y, axes):
-    """Gradient of y = (x - mean(x)) / std(x) times std: the mean and the
-    spread both depend on x, giving dy - mean(dy) - mean(dy*y)*y (means over
-    ``axes``), in four passes and no temporaries (BatchNorm's share of a
-    ResNet step is its passes over memory)."""
-    count = dy.dtype.type(math.prod(dy.shape[i] for i in axes))
-    keep = [1 if i in axes else n for i, n in enumerate(dy.shape)]
-    mean_dy = dy.sum(axis=axes).reshape(keep) / count
-    mean_dyy = kernels.sum_of_products(xp, dy, y, axes).reshape(keep) / count
-    dx = y * -mean_dyy
-    dx += dy
-    dx -= mean_dy
+def _normalize_backward(xp, dy, y, std):
+    """dx for y = (x - mean(x)) / std with the mean and std per channel of
+    the (outer, C, inner) views: both depend on x, giving (dy - mean(dy) -
+    mean(dy*y)*y) / std (means over axes 0 and 2), per block of channels in
+    cache (:func:`kernels.per_channel`; BatchNorm's share of a ResNet step
+    is its passes over memory)."""
+    count = dy.dtype.type(dy.shape[0] * dy.shape[2])
+    dx = xp.empty(dy.shape, dy.dtype)
+
+    def block(b):
+        dyb, yb, dxb = dy[:, b], y[:, b], dx[:, b]
+        mean_dy = kernels.sum_over(xp, dyb, (0, 2)) / count
+        mean_dyy = kernels.sum_of_products(xp, dyb, yb, (0, 2)) / count
+        xp.multiply(yb, -mean_dyy[:, None], out=dxb)
+        dxb += dyb
+        dxb -= mean_dy[:, None]
+        dxb /= std[b, None]
+    kernels.per_channel(xp, block, dy.shape, dy.dtype)
     return dx
 
 
@@ -88,34 +92,50 @@ class BatchNormLayer(Layer):
     def forward(self, bottom, top):
         xp = self.xp
         x = self._view(bottom[0].data)
+        dtype = self.dtype.type
+        eps = dtype(self.eps)
         if self.use_global_stats:
             factor = self.blobs[2].data
             # A zero scale factor (no statistics yet) gives zero mean and variance.
-            inv = (factor != 0).astype(self.dtype) / xp.where(factor == 0, self.dtype.type(1), factor)
+            inv = (factor != 0).astype(self.dtype) / xp.where(factor == 0, dtype(1), factor)
             mean = self.blobs[0].data * inv
             var = self.blobs[1].data * inv
+            std = xp.sqrt(var + eps)
         else:
-            mean = x.mean(axis=(0, 2))
+            mean, var, std = (xp.empty(self.channels, self.dtype) for _ in range(3))
             m = x.size // self.channels
-            centered = x - mean[None, :, None]
-            var = kernels.sum_of_products(xp, centered, centered, (0, 2)) / self.dtype.type(m)
+        # Backward needs y; keep a private copy since an in-place successor may
+        # overwrite top's data (as Caffe keeps x_norm_).  A bound top copies
+        # what it is given (the memory plan's buffer), so it may get y itself.
+        y = xp.empty(x.shape, self.dtype)
+        out = y if top[0].bound and not self.scale_bias else xp.empty(x.shape, self.dtype)
+        if self.scale_bias:
+            scale, bias = self.blobs[3].data, self.blobs[4].data
+
+        def block(b):
+            # one pass over each block of channels, in cache from the first step
+            xb, yb, ob = x[:, b], y[:, b], out[:, b]
+            if not self.use_global_stats:
+                mean[b] = kernels.sum_over(xp, xb, (0, 2)) / dtype(m)
+            xp.subtract(xb, mean[b, None], out=yb)
+            if not self.use_global_stats:
+                var[b] = kernels.sum_of_products(xp, yb, yb, (0, 2)) / dtype(m)
+                std[b] = xp.sqrt(var[b] + eps)
+            yb /= std[b, None]
+            if self.scale_bias:
+                xp.multiply(yb, scale[b, None], out=ob)
+                ob += bias[b, None]
+            elif out is not y:
+                ob[...] = yb
+        kernels.per_channel(xp, block, x.shape, self.dtype)
+        if not self.use_global_stats:
             correction = m / (m - 1.0) if m > 1 else 1.0
             maf = self.maf
             self.blobs[2].data = self.blobs[2].data * maf + 1
             self.blobs[0].data = self.blobs[0].data * maf + mean
             self.blobs[1].data = self.blobs[1].data * maf + correction * var
-        self._std = xp.sqrt(var + self.dtype.type(self.eps))[None, :, None]
-        y = x - mean[None, :, None] if self.use_global_stats else centered
-        y /= self._std
-        # Backward needs y; keep a private copy since an in-place successor may
-        # overwrite top's data (as Caffe keeps x_norm_).
+        self._std = std
         self._y = y
-        if self.scale_bias:
-            out = y * self._per_channel(3) + self._per_channel(4)
-        else:
-            # a bound top copies what it is given (the memory plan's buffer);
-            # else top must not alias the private y
-            out = y if top[0].bound else y.copy()
         top[0].data = out.reshape(bottom[0].shape)
 
     def _per_channel(self, i):
@@ -123,18 +143,21 @@ class BatchNormLayer(Layer):
         return self.blobs[i].data.reshape(1, self.channels, 1)
 
     def backward(self, top, propagate_down, bottom):
+        xp = self.xp
         dy = self._view(top[0].diff)
         if self.scale_bias:
-            self.blobs[3].diff += kernels.sum_of_products(self.xp, dy, self._y, (0, 2))
-            self.blobs[4].diff += dy.sum(axis=(0, 2))
+            self.blobs[3].diff += kernels.sum_of_products(xp, dy, self._y, (0, 2))
+            self.blobs[4].diff += kernels.sum_over(xp, dy, (0, 2))
             dy = dy * self._per_channel(3)
         if not propagate_down[0]:
             return
         if self.use_global_stats:
-            dx = dy / self._std
+            std = self._std
+            dx = xp.empty(dy.shape, dy.dtype)
+            kernels.per_channel(xp, lambda b: xp.divide(dy[:, b], std[b, None], out=dx[:, b]),
+                                dy.shape, dy.dtype)
         else:
-            dx = _normalize_backward(self.xp, dy, self._y, (0, 2))
-            dx /= self._std
+            dx = _normalize_backward(xp, dy, self._y, self._std)
         bottom[0].diff = dx.reshape(bottom[0].shape)
 
 
@@ -179,9 +202,9 @@ class MVNLayer(Layer):
             return
         dy = self._view(top[0].diff)
         if self.param.mvn_param.normalize_variance:
-            # Caffe's formula (exact up to the eps in the denominator).
-            dx = _normalize_backward(self.xp, dy, self._y, (1,))
-            dx /= self._std
+            # Caffe's formula (exact up to the eps in the denominator), each
+            # group a channel of a (1, groups, elements) view
+            dx = _normalize_backward(self.xp, dy[None], self._y[None], self._std.reshape(-1))[0]
         else:
             dx = dy - dy.mean(axis=1, keepdims=True)
         bottom[0].diff = dx.reshape(bottom[0].shape)

@@ -108,42 +108,63 @@ class ScaleLayer(Layer):
     def reshape(self, bottom, top):
         axis = self.param.scale_param.axis
         self.dims = _broadcast_dims(self, bottom[0].shape, self._scale(bottom).shape, axis)
-        if self.bias_term:
-            self.bias_dims = _broadcast_dims(self, bottom[0].shape,
-                                             self.blobs[self.bias_index].shape, axis)
+        if self.bias_term and self.blobs[self.bias_index].shape != self._scale(bottom).shape:
+            # as Caffe's internal Bias layer, whose blob takes the scale's axes
+            raise self.error("bias shape %s differs from the scale's %s",
+                             self.blobs[self.bias_index].shape, self._scale(bottom).shape)
         if top[0] is not bottom[0]:
             top[0].reshape(bottom[0].shape)
 
     def forward(self, bottom, top):
+        xp = self.xp
         x = bottom[0].data
         # In place, keep the input for the scale's gradient: the array itself
         # where top's data is rebound to the output, a copy where the memory
         # plan binds the blob (the output is written into it)
         self._x = (x.copy() if top[0].bound else x) if top[0] is bottom[0] else None
-        outer, dim, inner = self.dims
-        y = x.reshape(self.dims) * self._scale(bottom).data.reshape(1, dim, 1)
-        if self.bias_term:
-            y += self.blobs[self.bias_index].data.reshape(1, self.bias_dims[1], 1)
+        x3 = x.reshape(self.dims)
+        scale = self._scale(bottom).data.reshape(-1)
+        bias = self.blobs[self.bias_index].data.reshape(-1) if self.bias_term else None
+        y = xp.empty(self.dims, x.dtype)
+
+        def block(b):
+            yb = xp.multiply(x3[:, b], scale[b, None], out=y[:, b])
+            if bias is not None:
+                yb += bias[b, None]
+        kernels.per_channel(xp, block, self.dims, x.dtype)
         top[0].data = y.reshape(bottom[0].shape)
 
     def backward(self, top, propagate_down, bottom):
-        dy = top[0].diff
-        x = self._x if self._x is not None else bottom[0].data
+        xp = self.xp
+        dy = top[0].diff.reshape(self.dims)
+        x = (self._x if self._x is not None else bottom[0].data).reshape(self.dims)
         scale = self._scale(bottom)
-        if self.bias_term:
-            self.blobs[self.bias_index].diff += _reduce(dy, self.bias_dims).reshape(
-                self.blobs[self.bias_index].shape)
-        if len(bottom) == 1 or propagate_down[1]:
-            dscale = kernels.sum_of_products(self.xp, dy.reshape(self.dims), x.reshape(self.dims),
-                                             (0, 2)).reshape(scale.shape)
+        s = scale.data.reshape(-1)
+        dim = self.dims[1]
+        dbias = xp.empty(dim, dy.dtype) if self.bias_term else None
+        dscale = xp.empty(dim, dy.dtype) if len(bottom) == 1 or propagate_down[1] else None
+        dx = xp.empty(self.dims, dy.dtype) if propagate_down[0] else None
+
+        def block(b):
+            # the sums and dx in one pass over each block of channels
+            dyb = dy[:, b]
+            if dbias is not None:
+                dbias[b] = kernels.sum_over(xp, dyb, (0, 2))
+            if dscale is not None:
+                dscale[b] = kernels.sum_of_products(xp, dyb, x[:, b], (0, 2))
+            if dx is not None:
+                xp.multiply(dyb, s[b, None], out=dx[:, b])
+        kernels.per_channel(xp, block, self.dims, dy.dtype)
+        if dbias is not None:
+            bias = self.blobs[self.bias_index]
+            bias.diff += dbias.reshape(bias.shape)
+        if dscale is not None:
             if len(bottom) == 1:
-                scale.diff += dscale
+                scale.diff += dscale.reshape(scale.shape)
             else:
-                scale.diff = dscale
-        if propagate_down[0]:
-            dim = self.dims[1]
-            bottom[0].diff = (dy.reshape(self.dims) * scale.data.reshape(1, dim, 1)).reshape(
-                bottom[0].shape)
+                scale.diff = dscale.reshape(scale.shape)
+        if dx is not None:
+            bottom[0].diff = dx.reshape(bottom[0].shape)
 
 
 @register("Bias")

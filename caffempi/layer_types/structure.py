@@ -2,6 +2,7 @@
 Flatten, Reshape, Crop, Tile, Eltwise, Silence, Reduction, ArgMax, Filter and
 BatchReindex, and Parameter, whose top is its own learnable blob (BVLC Caffe
 semantics)."""
+from ..backend import kernels
 from ..proto import caffe_pb2
 from .base import Layer, register
 
@@ -52,6 +53,23 @@ def _contiguous_part(xp, a, axis, start, stop):
     if _prod(a.shape[:axis]) == 1:
         return part
     return xp.ascontiguousarray(part)
+
+
+def _weighted_sum(xp, arrays, coeffs):
+    """A new array: the sum of c * a over ``arrays`` (of one shape) and
+    ``coeffs``, added in order, each product rounded to the arrays' dtype
+    first (a coefficient of 1 takes the array as it is); in blocks on the
+    intra-op threads (:func:`kernels.elementwise`)."""
+    scalar = arrays[0].dtype.type
+
+    def fn(first, *rest, out):
+        if coeffs[0] == 1:
+            xp.copyto(out, first)
+        else:
+            xp.multiply(first, scalar(coeffs[0]), out=out)
+        for a, c in zip(rest, coeffs[1:]):
+            out += a if c == 1 else a * scalar(c)
+    return kernels.elementwise(xp, fn, *arrays)
 
 
 def _no_in_place(layer, bottom, top):
@@ -190,10 +208,8 @@ class SplitLayer(Layer):
         if len(top) == 1:
             bottom[0].diff = top[0].diff
             return
-        g = top[0].diff + top[1].diff  # a new array: the tops' diffs stay intact
-        for t in top[2:]:
-            g += t.diff
-        bottom[0].diff = g
+        # a new array: the tops' diffs stay intact
+        bottom[0].diff = _weighted_sum(self.xp, [t.diff for t in top], [1.0] * len(top))
 
 
 # --------------------------------------------------------- Flatten, Reshape
@@ -415,13 +431,7 @@ class EltwiseLayer(Layer):
             for b in bottom[2:]:
                 y *= b.data
         elif self._op == _ELTWISE.SUM:
-            y = None
-            for b, c in zip(bottom, self._coeffs):
-                term = b.data if c == 1 else b.data * self.dtype.type(c)
-                if y is None:
-                    y = term.copy() if term is b.data else term
-                else:
-                    y += term
+            y = _weighted_sum(xp, [b.data for b in bottom], self._coeffs)
         elif self._op == _ELTWISE.MAX:
             # Caffe's tie rule: between bottoms 0 and 1 the later wins, after
             # that an earlier maximum is only replaced by a strictly larger one.
@@ -454,12 +464,9 @@ class EltwiseLayer(Layer):
                 else:
                     g = top[0].data / b.data * dy
             elif self._op == _ELTWISE.SUM:
+                # Bottoms get their own arrays, so no two blobs share a diff.
                 c = self._coeffs[i]
-                if c != 1:
-                    g = dy * self.dtype.type(c)
-                else:
-                    # Bottoms get their own arrays, so no two blobs share a diff.
-                    g = dy if i == 0 else dy.copy()
+                g = dy if c == 1 and i == 0 else _weighted_sum(xp, [dy], [c])
             else:
                 g = xp.where(self._max_idx == i, dy, xp.zeros((), self.dtype))
             b.diff = g
