@@ -177,6 +177,9 @@ class Net:
         self.data_shard = tuple(data_shard)
         self.batch_shares = None        # set_batch_shares
         self._loss_share_scales = {}    # layer index -> its loss gradient's factor under the shares
+        self._share_fraction = 1.0
+        self._passes = 0                # forward passes from the first layer (each reads a batch)
+        self.next_batch_shares = []     # [(pass, shares)] announced, in order
         self.net_param = insert_splits(filter_net(param))
         # per-layer callbacks fn(layer_index), BVLC master's Net::Callback:
         # the user's (net.before_forward(fn) ...) and the gradient sync's
@@ -418,6 +421,10 @@ class Net:
         (under batch shares, each loss also times its ``share_scale``: this
         rank's part of the mean over the ranks, as in backward)."""
         end = len(self.layers) - 1 if end is None else end
+        if start == 0:               # a pass that reads a batch: announced shares take effect now
+            while self.next_batch_shares and self.next_batch_shares[0][0] <= self._passes:
+                self._apply_batch_shares(self.next_batch_shares.pop(0)[1])
+            self._passes += 1
         loss = 0.0
         mm = self.memory if self.memory.active or self.memory.probe else None
         before, after = self._hooks["before_forward"], self._hooks["after_forward"]
@@ -736,22 +743,50 @@ class Net:
                 return None, "layer '%s' (%s) mixes the samples of a batch" % (name, layer.type)
         return batch, None
 
-    def set_batch_shares(self, shares):
-        """From the next forward each rank reads ``shares[rank]`` records of
-        the global batch (a count a rank, summing to ranks x b; None: equal
-        shares, Caffe's rule), and each loss's gradient takes its
-        ``share_scale``, so the ranks' mean gradient stays the global
-        batch's.  The data layers reshape the net; the memory plan, made
-        from lifetimes, holds for any batch."""
-        rank, size = self.data_shard
+    def share_lookahead(self):
+        """Passes ahead that shares must be announced for the data layers'
+        readers to read them without a restart (Layer.share_lookahead)."""
+        return max([layer.share_lookahead() for layer in self.layers] + [0])
+
+    def pending_batch_shares(self):
+        """[(passes from now, shares)] announced and not yet in effect."""
+        return [(at - self._passes, shares) for at, shares in self.next_batch_shares]
+
+    def set_batch_shares(self, shares, ahead=0):
+        """From the ``ahead``-th forward pass after the next one (0: the
+        next) each rank reads ``shares[rank]`` records of the global batch
+        (a count a rank, summing to ranks x b; None: equal shares, Caffe's
+        rule), and each loss's gradient takes its ``share_scale``, so the
+        ranks' mean gradient stays the global batch's.  Announced at least
+        ``share_lookahead()`` passes ahead, the change costs the data
+        layers' readers nothing; else they restart at the next batch.  The
+        data layers reshape the net; the memory plan, made from lifetimes,
+        holds for any batch."""
+        shares = self._checked_shares(shares)
+        if ahead > 0:
+            for layer in self.layers:
+                layer.schedule_batch_shares(shares, ahead)
+            self.next_batch_shares.append((self._passes + ahead, shares))
+            return
+        self.next_batch_shares = []
+        self._apply_batch_shares(shares)
+
+    def _checked_shares(self, shares):
+        if shares is None:
+            return None
+        size = self.data_shard[1]
         batch, why = self.shareable_batch()
-        if shares is not None:
-            shares = tuple(int(n) for n in shares)
-            if why is not None:
-                raise CaffeError("net '%s' cannot split its batch unevenly: %s" % (self.name, why))
-            if len(shares) != size or min(shares) < 1 or sum(shares) != size * batch:
-                raise CaffeError("net '%s': batch shares %s must be %d positive counts summing to %d"
-                                 % (self.name, ":".join(map(str, shares)), size, size * batch))
+        shares = tuple(int(n) for n in shares)
+        if why is not None:
+            raise CaffeError("net '%s' cannot split its batch unevenly: %s" % (self.name, why))
+        if len(shares) != size or min(shares) < 1 or sum(shares) != size * batch:
+            raise CaffeError("net '%s': batch shares %s must be %d positive counts summing to %d"
+                             % (self.name, ":".join(map(str, shares)), size, size * batch))
+        return shares
+
+    def _apply_batch_shares(self, shares):
+        rank = self.data_shard[0]
+        batch = self.shareable_batch()[0]
         self.batch_shares = shares
         self._share_fraction = 1.0 if shares is None else shares[rank] / batch
         for layer in self.layers:

@@ -138,8 +138,9 @@ def test_proportional_shares():
     assert proportional_shares(12, [1.0, 2.0, 3.0]) == (7, 3, 2)        # 6.5 3.3 2.2 by largest remainders
     assert proportional_shares(64, [1.0, 1000.0], floor=3) == (61, 3)
     assert sum(proportional_shares(101, [0.3, 0.7, 0.11])) == 101
-    assert parse_balance("auto") == ("auto", None) and parse_balance(" 3:1") == ("fixed", (3, 1))
-    for bad in ("on", "3", "3:0", "a:b"):
+    assert parse_balance("auto") == ("auto", None, None) and parse_balance(" 3:1") == ("fixed", (3, 1), None)
+    assert parse_balance("auto:0.5") == ("auto", None, 0.5) and parse_balance("off") == ("off", None, None)
+    for bad in ("on", "3", "3:0", "a:b", "auto:0", "auto:x", "off:1"):
         with pytest.raises(CaffeError, match="--balance"):
             parse_balance(bad)
 
@@ -174,11 +175,10 @@ def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
     net.layers[0].reset(np.zeros((12, 2, 3, 3), np.float32), np.zeros(12, np.float32))
     slow = {"per_record": 0.003}
 
-    def other(_):                          # rank 1's median step: its share at its own speed
-        shares = net.batch_shares
-        return slow["per_record"] * (shares[1] if shares else 6)
+    def other(_):                          # rank 1's median seconds a record
+        return slow["per_record"]
     world = PairWorld(other)
-    balancer = ShareBalancer("auto", interval=0.1, clock=SimulatedClock(net, 0.001))
+    balancer = ShareBalancer("auto:0.1", clock=SimulatedClock(net, 0.001))
     balancer.attach(world, net)
 
     def iterate(n):
@@ -200,11 +200,12 @@ def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
     slow["per_record"] = 0.001            # as fast again: equal shares, Caffe's rule
     iterate(12)
     assert net.batch_shares is None
-    again = ShareBalancer("auto", interval=0.1)
+    again = ShareBalancer("auto:0.1")
     again.attach(world, net)
     again.load_state(saved)
+    assert net.batch_shares == (9, 3)
     again.before_iteration()
-    assert net.batch_shares == (9, 3) and again.state()["count"] == saved["count"] + 1
+    assert again.state()["count"] == saved["count"] + 1
 
 
 def test_the_balancer_keeps_equal_shares_where_it_must(caplog):

@@ -313,6 +313,49 @@ def test_uneven_shares_read_the_same_records_with_the_same_draws(small_db, ranks
         close(net)
 
 
+def test_shares_announced_ahead_keep_the_readers_running(small_db):
+    """Shares announced a lookahead ahead (Net.set_batch_shares(..., ahead))
+    take effect at that batch with no reader restart, the records and
+    draws those of one process; announced too late, the reader restarts
+    and reads them all the same."""
+    db, _, _ = small_db
+    b, ranks = 3, 2
+    tf = "crop_size: 4 mirror: true"
+    from caffempi.common import set_random_seed
+    set_random_seed(5)
+    one = data_net(db, b * ranks, transform=tf)
+    single = run(one, 12)
+    close(one)
+    nets = []
+    for r in range(ranks):
+        set_random_seed(5)
+        nets.append(data_net(db, b, shard=(r, ranks), transform=tf, extra="prefetch: 2"))
+    ahead = nets[0].share_lookahead()
+    assert ahead == 5
+    plan = {0: ((5, 1), ahead), 3: ((2, 4), ahead), 9: ((1, 5), 1)}      # batch: (shares, announced ahead)
+    in_effect, restarts, readers = {}, 0, None
+    for k in range(12):
+        if k in plan:
+            shares, when = plan[k]
+            for net in nets:
+                net.set_batch_shares(shares, when)
+            in_effect[k + when] = shares
+        got = [run(net, 1)[0] for net in nets]
+        now = [p for p in [layer._prefetcher for layer in (net.layer("d") for net in nets)]]
+        restarts += readers is not None and any(a is not c for a, c in zip(readers, now))
+        readers = now
+        shares = in_effect[max(j for j in in_effect if j <= k)] if any(j <= k for j in in_effect) else None
+        order = np.arange(ranks * b) if shares else np.concatenate([np.arange(ranks * b)[r::ranks]
+                                                                    for r in range(ranks)])
+        assert nets[0].batch_shares == shares
+        assert [len(y) for _, y in got] == list(shares or (b,) * ranks), (k, [len(y) for _, y in got])
+        np.testing.assert_array_equal(np.concatenate([y for _, y in got]), single[k][1][order])
+        np.testing.assert_array_equal(np.concatenate([x for x, _ in got]), single[k][0][order])
+    assert restarts == 1                      # only the late announcement restarted the readers
+    for net in nets:
+        close(net)
+
+
 def test_resume_reader_position_bitwise(small_db):
     db, _, _ = small_db
     tf = "crop_size: 3 mirror: true mean_value: 10 mean_value: 20 mean_value: 30"

@@ -212,10 +212,10 @@ atexit.register(stop_all)
 
 
 # ------------------------------------------------------------------ sources
-def db_producer(db, batch_size, rank, size, skip, shuffled=None, shares=None):
+def db_producer(db, batch_size, rank, size, skip, shuffled=None, shares_at=lambda k: None):
     """Producer for a database (:mod:`caffempi.data.db`, LMDB or LevelDB),
     yielding ``(k, [(key, value), ...])`` for this rank's batches from
-    ``start`` on (:func:`shard_positions`).  Stream position p is record p + skip, wrapping: epoch e
+    ``start`` on (:func:`shard_positions`, under the shares ``shares_at(k)``).  Stream position p is record p + skip, wrapping: epoch e
     = (p + skip) // num reads the records in key order, walking the cursor
     and stepping over other ranks' records without reading their values, or,
     when ``shuffled(e)`` gives (keys, permutation), record i of the epoch is
@@ -231,7 +231,7 @@ def db_producer(db, batch_size, rank, size, skip, shuffled=None, shares=None):
             k = start
             while not stopped():
                 recs = []
-                for p in shard_positions(k, batch_size, rank, size, shares):
+                for p in shard_positions(k, batch_size, rank, size, shares_at(k)):
                     epoch, i = divmod(p + skip, num)
                     if shuffled is not None and epoch != order_epoch:
                         order_epoch, order = epoch, shuffled(epoch)

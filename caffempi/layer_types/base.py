@@ -133,6 +133,16 @@ class Layer:
         count a rank, or None for equal shares) from the next forward."""
         self.batch_shares = shares
 
+    def share_lookahead(self):
+        """How many batches past the next one a data layer may have read
+        already (its prefetch): shares announced that far ahead
+        (:meth:`schedule_batch_shares`) cost it nothing."""
+        return 0
+
+    def schedule_batch_shares(self, shares, ahead):
+        """``shares`` will be set (:meth:`set_batch_shares`) before the
+        forward that reads the ``ahead``-th batch after the next one."""
+
     def rank_batch(self, batch_size):
         """This rank's batch of a nominal per-rank ``batch_size`` under the
         batch shares."""

@@ -53,6 +53,7 @@ class _BatchDataLayer(Layer):
             log.info("%s: skipping first %d data points", self.name, self._skip)
         self._batch = 0
         self._prefetcher = None
+        self._schedule = [(0, None)]     # (first batch, shares): what the reader reads, by batch
         self.wait_seconds = 0.0
 
     def get_state(self):
@@ -71,11 +72,31 @@ class _BatchDataLayer(Layer):
     def share_batch(self):
         return self.batch_size
 
+    def shares_at(self, k):
+        """The shares of batch ``k`` by the schedule (read by the reader
+        threads: entries are only added, and the list replaced whole)."""
+        for first, shares in reversed(list(self._schedule)):
+            if first <= k:
+                return shares
+        return None
+
+    def share_lookahead(self):
+        # the ready queue, the batch in the producer's hand, and the GPU's upload of the next
+        return self.prefetch + 3
+
+    def schedule_batch_shares(self, shares, ahead):
+        if ahead >= self.share_lookahead():    # else the reader may have read that batch: it restarts then
+            self._schedule.append((self._batch + ahead, shares))
+
     def set_batch_shares(self, shares):
-        """The reader restarts at the next batch with the new shares (what it
-        prefetched under the old ones is dropped, not consumed)."""
-        if shares != self.batch_shares:
+        """Shares that the schedule announced cost nothing; others restart
+        the reader at the next batch (what it prefetched under the old ones
+        is dropped, not consumed)."""
+        if shares != self.shares_at(self._batch):
             self._stop_reader()
+            self._schedule = [(self._batch, shares)]
+        else:
+            self._schedule = [(self._batch, shares)] + [e for e in self._schedule if e[0] > self._batch]
         super().set_batch_shares(shares)
 
     def close(self):
@@ -130,7 +151,7 @@ class _BatchDataLayer(Layer):
             return None
         rank, size = self.data_shard
         return DataTransformer.draws(self._seed, k, self.batch_size * size,
-                                     shard_columns(self.batch_size, rank, size, self.batch_shares))
+                                     shard_columns(self.batch_size, rank, size, self.shares_at(k)))
 
 
 @register("Data")
@@ -202,7 +223,7 @@ class DataLayer(_BatchDataLayer):
     def _make_prefetcher(self):
         rank, size = self.data_shard
         produce = db_producer(self._db, self.batch_size, rank, size, self._skip,
-                              self._shuffled if self._keys is not None else None, self.batch_shares)
+                              self._shuffled if self._keys is not None else None, self.shares_at)
         return BatchPrefetcher("%s(%s)" % (self.name, self.source), produce, self._process, self.prefetch,
                                self.workers)
 
@@ -294,13 +315,13 @@ class ImageDataLayer(_BatchDataLayer):
 
     def _make_prefetcher(self):
         rank, size = self.data_shard
-        bs, shares = self.batch_size, self.batch_shares
+        bs = self.batch_size
 
         def produce(start, stopped):
             k = start
             while not stopped():
                 recs = []
-                for p in shard_positions(k, bs, rank, size, shares):
+                for p in shard_positions(k, bs, rank, size, self.shares_at(k)):
                     rec = self._record(p)
                     recs.append((rec, self._read(rec)))
                 yield k, recs

@@ -9,27 +9,33 @@ of the same records, only the work is split by speed.  Nets whose layers mix
 samples (BatchNorm on batch statistics, a loss normalised by this rank's own
 count of valid labels) keep equal shares, and say why once.
 
-``auto`` measures each rank's compute seconds an iteration (from the start
-of the iteration to the gradient sync's wait), and every *period* of
-iterations the ranks all-gather the medians of their last period.  The
-first gather, after ``warmup`` iterations, only sets the period: about
-``interval`` seconds of steps, from the slowest rank's step time (start-up
-is noisy, and a short run keeps equal shares).  From each
-rank's seconds per record every rank derives the same new shares: counts
-proportional to speed, in whole records (largest remainders), none below
-``floor`` (b/10, at least 1).  They take effect only where the predicted
-step (the slowest rank's share times its seconds per record) is at least
-``gain`` (2%) shorter than the present one's: noise does not move them.
-Proportional shares converge to equal compute times, the synchronous
-step's optimum, whatever each rank's fixed cost an iteration.
+``auto`` measures each rank's compute seconds in each iteration (from the
+start of the iteration to the gradient sync's wait), and every *period* of
+iterations the ranks all-gather their seconds a record over the period
+(its seconds over its records: a throughput, which holds a CPU quota's
+stalls, where a median of iterations would see only the unthrottled ones).  The first gather, after ``warmup`` iterations, only
+sets the period: about ``interval`` seconds of steps (at least
+``shortest`` iterations).  From each rank's seconds a record every rank
+derives the same new shares: counts proportional to speed, in whole
+records (largest remainders), none below ``floor`` (b/10, at least 1).
+They are announced to the net as many iterations ahead as its data
+readers may have read (``Net.share_lookahead``), so that the readers read
+them without a restart, and only where the predicted step (the slowest
+rank's share times its seconds a record) is at least ``gain`` (2%)
+shorter than the present one's: noise does not move them.  Proportional
+shares converge to equal compute times, the synchronous step's optimum,
+whatever each rank's fixed cost an iteration.  The default interval is
+short because the speeds it follows change fast: on a shared 2-vCPU VM
+each core's speed flips between two levels every second or so
+(docs/performance/scaling.md).
 
 A fixed ``B0:B1:...`` takes those counts for the whole run (a cluster whose
-speeds are known, and the tests).  The shares, the period and the position
-in it are in the snapshot (:meth:`state`), so a resumed run reads the same
-records; later decisions depend on the measured times, as they would.
+speeds are known, and the tests).  The shares in effect and those announced,
+the period and the position in it are in the snapshot (:meth:`state`), so
+a resumed run reads the same records; later decisions depend on the
+measured times, as they would.
 """
 import math
-import statistics
 import time
 
 from ..common import AgreedError, CaffeError, log
@@ -38,18 +44,26 @@ BALANCE_MODES = ("off", "auto")
 
 
 def parse_balance(text):
-    """('off' | 'auto', None) or ('fixed', counts) of a --balance value."""
+    """(mode, counts, interval) of a --balance value: ('off', None, None),
+    ('auto', None, seconds or None for the default) or ('fixed', counts,
+    None)."""
     text = str(text).strip()
-    if text in BALANCE_MODES:
-        return text, None
+    mode, _, seconds = text.partition(":")
+    if mode in BALANCE_MODES and not seconds:
+        return mode, None, None
     try:
-        counts = tuple(int(n) for n in text.split(":"))
+        if mode == "auto":
+            interval = float(seconds)
+            if interval > 0:
+                return "auto", None, interval
+        else:
+            counts = tuple(int(n) for n in text.split(":"))
+            if len(counts) >= 2 and min(counts) >= 1:
+                return "fixed", counts, None
     except ValueError:
-        counts = ()
-    if len(counts) < 2 or min(counts) < 1:
-        raise CaffeError("--balance must be off, auto or per-rank record counts B0:B1:... (positive), got '%s'"
-                         % text)
-    return "fixed", counts
+        pass
+    raise CaffeError("--balance must be off, auto, auto:SECONDS (SECONDS > 0) or per-rank record counts "
+                     "B0:B1:... (positive), got '%s'" % text)
 
 
 def proportional_shares(total, seconds_per_record, floor=1):
@@ -84,10 +98,16 @@ class ShareBalancer:
     gain = 0.02
     #: iterations measured before the first gather, which sets the period
     warmup = 5
+    #: the fewest iterations a period (a median of fewer is noise)
+    shortest = 3
 
-    def __init__(self, mode="auto", interval=2.0, clock=time.perf_counter):
-        self.mode, self.fixed = parse_balance(mode)
-        self.interval = float(interval)
+    #: seconds of steps between decisions (auto)
+    interval = 0.3
+
+    def __init__(self, mode="auto", clock=time.perf_counter):
+        self.mode, self.fixed, interval = parse_balance(mode)
+        if interval is not None:
+            self.interval = interval
         self.clock = clock
         self.world = None
         self.net = None
@@ -126,6 +146,7 @@ class ShareBalancer:
         self.net, self.batch = net, batch
         if self.fixed is not None:
             self.shares = self.fixed
+            net.set_batch_shares(self.fixed)
         if world.rank == 0:
             log.info("Batch shares: %s (--balance=%s)", self._describe(), self.mode)
 
@@ -133,60 +154,77 @@ class ShareBalancer:
         shares = self.shares or (self.batch,) * self.world.size
         return "%s of %d" % (" ".join(map(str, shares)), sum(shares))
 
-    def before_iteration(self):
-        """At the start of an iteration: decide (collective, every period;
-        auto only) and apply this iteration's shares."""
+    def before_iteration(self, iter_size=1):
+        """At the start of an iteration: on a period's last, decide
+        (collective; auto only).  New shares are announced to the net a
+        whole number of iterations ahead, at least its readers' lookahead
+        (``iter_size`` passes an iteration), so they take effect without a
+        reader restart."""
         if self.net is None:
             return
+        if self.net.batch_shares != self.shares and not self.net.next_batch_shares:
+            self.net.set_batch_shares(self.shares)            # fixed shares, or a resumed run's
         if self.fixed is None and self._count >= self._period:
-            self._decide()
-        if self.net.batch_shares != self.shares:
-            self.net.set_batch_shares(self.shares)
+            self._decide(iter_size)
         self._count += 1
         self._start = self.clock()
 
     def after_compute(self):
-        """The iteration's forward and backward passes are done."""
+        """The iteration's forward and backward passes are done: its seconds
+        per record of this rank's share."""
         if self.net is None or self._start is None:
             return
-        self._window.append(self.clock() - self._start)
+        shares = self.net.batch_shares
+        self._window.append((self.clock() - self._start, shares[self.world.rank] if shares else self.batch))
         self._start = None
 
-    def _decide(self):
-        mine = statistics.median(self._window) if self._window else 0.0
-        seconds = self.world.allgather(mine, "the ranks' step times for the batch shares")
+    def _decide(self, iter_size):
+        mine = sum(t for t, _ in self._window) / sum(n for _, n in self._window) if self._window else 0.0
+        per_record = self.world.allgather(mine, "the ranks' step times for the batch shares")
         self._window, self._count = [], 0
         current = self.shares or (self.batch,) * self.world.size
-        if min(seconds) <= 0.0:
+        if min(per_record) <= 0.0:
             return
-        self._period = max(self.warmup, min(1000, int(round(self.interval / max(seconds)))))
+        step_now = max(n * t for n, t in zip(current, per_record))
+        self._period = max(self.shortest, min(1000, int(round(self.interval / step_now))))
         calibrated, self._calibrated = self._calibrated, True
         if not calibrated:
             return
-        per_record = [s / n for s, n in zip(seconds, current)]
-        total = sum(current)
-        proposed = proportional_shares(total, per_record, floor=max(1, self.batch // 10))
-        step_now = max(n * t for n, t in zip(current, per_record))
+        proposed = proportional_shares(sum(current), per_record, floor=max(1, self.batch // 10))
         step_new = max(n * t for n, t in zip(proposed, per_record))
         if proposed == current or step_new > step_now * (1.0 - self.gain):
             return
         self.shares = None if len(set(proposed)) == 1 else proposed
+        ahead = -(-self.net.share_lookahead() // iter_size) * iter_size
+        self.net.set_batch_shares(self.shares, ahead)
         if self.world.rank == 0:
             log.info("Batch shares: %s (step ms by rank: %s)", self._describe(),
-                     " ".join("%.1f" % (1e3 * s) for s in seconds))
+                     " ".join("%.1f" % (1e3 * n * t) for n, t in zip(current, per_record)))
 
     def state(self):
-        """What a resumed run needs to read the same records (JSON)."""
+        """What a resumed run needs to read the same records (JSON): the
+        shares in effect, those announced, and the place in the period."""
         if self.net is None:
             return None
-        return {"shares": None if self.shares is None else list(self.shares), "count": self._count,
-                "period": self._period, "calibrated": self._calibrated}
+        return {"shares": _json(self.net.batch_shares), "decided": _json(self.shares),
+                "announced": [[ahead, _json(shares)] for ahead, shares in self.net.pending_batch_shares()],
+                "count": self._count, "period": self._period, "calibrated": self._calibrated}
 
     def load_state(self, state):
         if self.net is None or not state:
             return
-        shares = state.get("shares")
-        self.shares = None if shares is None else tuple(int(n) for n in shares)
+        self.net.set_batch_shares(_tuple(state["shares"]))
+        for ahead, shares in state["announced"]:
+            self.net.set_batch_shares(_tuple(shares), ahead)
+        self.shares = _tuple(state["decided"])
         self._count, self._period = int(state["count"]), int(state["period"])
         self._calibrated = bool(state["calibrated"])
         self._window = []
+
+
+def _json(shares):
+    return None if shares is None else [int(n) for n in shares]
+
+
+def _tuple(shares):
+    return None if shares is None else tuple(int(n) for n in shares)

@@ -360,7 +360,7 @@ class BucketedAllreduce(GradientSync):
         for plugin in self.plugins:
             plugin.start_iteration()
         if self.balancer is not None:
-            self.balancer.before_iteration()
+            self.balancer.before_iteration(self.iter_size)
 
     def before_pass(self, net, index, last):
         """Only the iteration's last backward starts the sums."""
