@@ -153,7 +153,10 @@ def _averager(world, comm, args):
 class Throttle:
     """Cgroups that hold their processes to ``fraction`` of a core (the
     CPU controller's quota: cgroup v2 ``cpu.max``, else v1
-    ``cpu.cfs_quota_us``), one per name; removed on exit (root).
+    ``cpu.cfs_quota_us``), one per name; removed on exit (root).  The
+    quota's period is 10 ms: a slow core, not a fast one that stalls for
+    tens of milliseconds (the default 100 ms period stalls a rank for 40
+    ms at 0.6, longer than a LeNet step).
 
     A worker joins by writing its pid into ``pidfile(name)`` and waiting
     until /proc/self/cgroup names the cgroup: this process moves it, since
@@ -170,7 +173,7 @@ class Throttle:
             base = "caffempi-throttle-%d-%s" % (os.getpid(), name)
             path = os.path.join(self.V2 if v2 else self.V1, base)
             os.makedirs(path, exist_ok=True)
-            period = 100000
+            period = 10000
             if v2:
                 _write(os.path.join(path, "cpu.max"), "%d %d" % (int(fraction * period), period))
             else:
