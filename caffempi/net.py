@@ -785,15 +785,16 @@ class Net:
         return shares
 
     def _apply_batch_shares(self, shares):
-        rank = self.data_shard[0]
-        batch = self.shareable_batch()[0]
         self.batch_shares = shares
-        self._share_fraction = 1.0 if shares is None else shares[rank] / batch
         for layer in self.layers:
             layer.set_batch_shares(shares)
-        self._loss_share_scales = {} if shares is None else {
-            i: self.layers[i].share_scale(shares[rank], batch) for i, weights in enumerate(self.loss_weights)
-            if weights}
+        if shares is None:
+            self._share_fraction, self._loss_share_scales = 1.0, {}
+            return
+        rank, batch = self.data_shard[0], self.shareable_batch()[0]
+        self._share_fraction = shares[rank] / batch
+        self._loss_share_scales = {i: self.layers[i].share_scale(shares[rank], batch)
+                                   for i, weights in enumerate(self.loss_weights) if weights}
 
     def layer(self, name):
         return self.layer_dict[name]

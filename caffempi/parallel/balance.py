@@ -98,7 +98,7 @@ class ShareBalancer:
     gain = 0.02
     #: iterations measured before the first gather, which sets the period
     warmup = 5
-    #: the fewest iterations a period (a median of fewer is noise)
+    #: the fewest iterations a period (fewer measure noise)
     shortest = 3
 
     #: seconds of steps between decisions (auto)
@@ -117,21 +117,20 @@ class ShareBalancer:
         self._count = 0              # iterations begun since the last decision
         self._period = self.warmup
         self._calibrated = False     # the period is set from measured steps
-        self._window = []            # compute seconds of the iterations since the last decision
+        self._window = []            # (compute seconds, records) of the iterations since the last decision
         self._start = None
 
     @property
     def active(self):
         return self.net is not None
 
-    def attach(self, world, net, why_not=None):
+    def attach(self, world, net):
         """Meet the net (on every rank; logs on rank 0 why shares stay equal
-        where they must).  ``why_not``: the sync's own reason, if any."""
+        where they must)."""
         self.world, self.net = world, None
         if self.mode == "off" or world.size < 2:
             return
         batch, why = net.shareable_batch()
-        why = why_not or why
         if self.fixed is not None:     # every rank built the same net: they all stop here, rank 0 says why
             if why is not None:
                 raise AgreedError("--balance=%s: %s" % (":".join(map(str, self.fixed)), why))
@@ -162,8 +161,6 @@ class ShareBalancer:
         reader restart."""
         if self.net is None:
             return
-        if self.net.batch_shares != self.shares and not self.net.next_batch_shares:
-            self.net.set_batch_shares(self.shares)            # fixed shares, or a resumed run's
         if self.fixed is None and self._count >= self._period:
             self._decide(iter_size)
         self._count += 1

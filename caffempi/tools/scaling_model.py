@@ -771,7 +771,7 @@ def cluster_report(records, links, gemm_rate, weight_grad_seconds=None, burst=0.
         # a throttled pair: the fastest process's profile, at each rank's speed; else the pair's mean
         profile = with_weights(mean_profile([max(r["pair_runs"], key=lambda x: x["images_per_s"])]
                                             if uneven else r["pair_runs"]), weights.get(r["net"]))
-        profiles.setdefault(r["net"], profile)
+        profiles[r["net"]] = profile
         if not r.get("runs"):
             continue
         if uneven:
