@@ -6,8 +6,9 @@ import os
 
 import numpy as np
 
+from . import config
 from . import layer_types  # noqa: F401  (registers every layer type)
-from .backend import default_array_module, to_numpy
+from .backend import default_array_module, kernels, to_numpy
 from .blob import Blob
 from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
@@ -191,6 +192,7 @@ class Net:
         self.memory = MemoryManager(self, memory)
         if self.memory.active:
             self.memory.free_all()
+        self._init_chains()
         if weights:
             for w in str(weights).split(","):
                 self.copy_from(w)
@@ -415,6 +417,38 @@ class Net:
                 self.bottom_need_backward[i] = [
                     b or layer.allow_force_backward(j) for j, b in enumerate(self.bottom_need_backward[i])]
 
+    def _init_chains(self):
+        """The layer chains that run fused (:meth:`Layer.absorb`): a layer
+        whose one top the next layers take in place, each its one bottom and
+        top, no loss among them.  ``_chain_last``: first index -> last; a
+        forward over the whole chain calls the first's ``forward_chain``.
+        ``_chain_first``: last index -> first, where backward over the whole
+        chain calls ``backward_chain`` at the last (so each layer's params
+        have their gradients by its backward hook), when every layer of it
+        takes a gradient.  Not under the memory plan's recompute, which runs
+        the layers one by one in backward."""
+        self._chain_last, self._chain_first = {}, {}
+        if not (config.settings.fuse and kernels.fuses_layers(self.xp)):
+            return
+        recomputed = getattr(self.memory, "R", ())
+        alone = [len(tops) == 1 and not self.loss_weights[i] and i not in recomputed
+                 for i, tops in enumerate(self.top_vecs)]
+        i = 0
+        while i < len(self.layers):
+            last = i
+            while (alone[i] and last + 1 < len(self.layers) and alone[last + 1]
+                   and len(self.bottom_vecs[last + 1]) == 1
+                   and self.bottom_vecs[last + 1][0] is self.top_vecs[i][0]
+                   and self.top_vecs[last + 1][0] is self.top_vecs[i][0]):
+                last += 1
+            taken = self.layers[i].absorb(self.layers[i + 1:last + 1]) if last > i else 0
+            if taken:
+                self._chain_last[i] = i + taken
+                chain = range(i, i + taken + 1)
+                if all(self.layer_need_backward[j] and all(self.bottom_need_backward[j]) for j in chain):
+                    self._chain_first[i + taken] = i
+            i += taken + 1
+
     # ---------------------------------------------------------------- running
     def forward_range(self, start=0, end=None):
         """Forward layers start..end (inclusive); returns the weighted loss
@@ -428,6 +462,7 @@ class Net:
         loss = 0.0
         mm = self.memory if self.memory.active or self.memory.probe else None
         before, after = self._hooks["before_forward"], self._hooks["after_forward"]
+        fused_to = -1                # layers up to here ran in a chain (_init_chains)
         for i in range(start, end + 1):
             for hook in before:
                 hook(i)
@@ -435,7 +470,13 @@ class Net:
             if mm:
                 mm.before_forward(i)
             layer.reshape(self.bottom_vecs[i], self.top_vecs[i])
-            layer.forward(self.bottom_vecs[i], self.top_vecs[i])
+            if i > fused_to:
+                last = self._chain_last.get(i, i)
+                if i < last <= end:
+                    layer.forward_chain(self.bottom_vecs[i], self.top_vecs[i])
+                    fused_to = last
+                else:
+                    layer.forward(self.bottom_vecs[i], self.top_vecs[i])
             for j, w in self.loss_weights[i]:
                 loss += w * self._loss_share_scales.get(i, 1.0) * float(self.top_vecs[i][j].data.sum())
             if mm:
@@ -450,6 +491,7 @@ class Net:
         start = len(self.layers) - 1 if start is None else start
         mm = self.memory if self.memory.active or self.memory.probe else None
         before, after = self._hooks["before_backward"], self._hooks["after_backward"]
+        fused_from = len(self.layers)        # layers from here ran in a chain (_init_chains)
         for i in range(start, end - 1, -1):
             for hook in before:
                 hook(i)
@@ -460,7 +502,15 @@ class Net:
                 for j, w in self.loss_weights[i]:
                     weight = w * self._loss_share_scales.get(i, 1.0)
                     tops[j].diff = self.xp.full(tops[j].shape, weight, self.dtype)
-                self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
+                first = self._chain_first.get(i, i)
+                if i >= fused_from:
+                    pass                         # its backward ran with its chain's last layer
+                elif end <= first < i:
+                    self.layers[first].backward_chain(tops, self.bottom_need_backward[first],
+                                                      self.bottom_vecs[first])
+                    fused_from = first
+                else:
+                    self.layers[i].backward(tops, self.bottom_need_backward[i], self.bottom_vecs[i])
             # the hooks see the blobs as backward left them (a gradient
             # strategy reads a layer's factors there), then the memory plan
             # may drop them

@@ -103,6 +103,26 @@ class Layer:
         if any(propagate_down):
             raise CaffeError("layer '%s' (%s) cannot backpropagate to its bottoms" % (self.name, self.type))
 
+    def absorb(self, followers):
+        """How many of ``followers`` (the layers right after this one, each
+        with this layer's top as its one bottom and its one top: in place on
+        it) :meth:`forward_chain` and :meth:`backward_chain` compute together
+        with this layer, with fewer passes over memory; 0 (the default):
+        none.  The net asks once, after set-up, and then runs the chain fused
+        wherever a pass covers it whole."""
+        return 0
+
+    def forward_chain(self, bottom, top):
+        """Forward of this layer and of the followers it absorbed, leaving
+        each follower what its own backward reads (so that a pass that
+        starts inside the chain can run its layers one by one)."""
+        raise NotImplementedError
+
+    def backward_chain(self, top, propagate_down, bottom):
+        """Backward of the absorbed followers, the last first, and then of
+        this layer; ``top[0].diff`` is the last follower's top diff."""
+        raise NotImplementedError
+
     def weight_factors(self):
         """How ``blobs[0]``'s gradient is made, where it is a sum of outer
         products over the rows of a batch: ``(rows, transposed)``, the

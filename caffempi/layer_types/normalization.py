@@ -1,29 +1,33 @@
 """Normalization layers: BatchNorm (per-channel statistics over the batch)
 and MVN (per-sample mean/variance normalization)."""
-from ..backend import kernels
+from ..backend import channels, kernels
 from ..common import TEST
 from ..proto import caffe_pb2
 from .base import Layer, register
+from .neuron import ReLULayer
+from .scale import ScaleLayer
 
 
-def _normalize_backward(xp, dy, y, std):
+def _normalize_backward(xp, dy_of, y, std, dx=None):
     """dx for y = (x - mean(x)) / std with the mean and std per channel of
     the (outer, C, inner) views: both depend on x, giving (dy - mean(dy) -
     mean(dy*y)*y) / std (means over axes 0 and 2), per block of channels in
     cache (:func:`kernels.per_channel`; BatchNorm's share of a ResNet step
-    is its passes over memory)."""
-    count = dy.dtype.type(dy.shape[0] * dy.shape[2])
-    dx = xp.empty(dy.shape, dy.dtype)
+    is its passes over memory).  ``dy_of(block)``: dy's block of channels,
+    a view, or made there from the gradient of the layers after it; into
+    ``dx`` where given."""
+    count = y.dtype.type(y.shape[0] * y.shape[2])
+    dx = xp.empty(y.shape, y.dtype) if dx is None else dx
 
     def block(b):
-        dyb, yb, dxb = dy[:, b], y[:, b], dx[:, b]
+        dyb, yb, dxb = dy_of(b), y[:, b], dx[:, b]
         mean_dy = kernels.sum_over(xp, dyb, (0, 2)) / count
         mean_dyy = kernels.sum_of_products(xp, dyb, yb, (0, 2)) / count
         xp.multiply(yb, -mean_dyy[:, None], out=dxb)
         dxb += dyb
         dxb -= mean_dy[:, None]
         dxb /= std[b, None]
-    kernels.per_channel(xp, block, dy.shape, dy.dtype)
+    kernels.per_channel(xp, block, y.shape, y.dtype)
     return dx
 
 
@@ -89,7 +93,36 @@ class BatchNormLayer(Layer):
         """x as (N, C, spatial) so statistics reduce over axes 0 and 2."""
         return x.reshape(x.shape[0] if x.ndim else 1, self.channels, -1)
 
+    def absorb(self, followers):
+        """Caffe's spelling of a normalisation with a learned affine and its
+        activation, BatchNorm → Scale → ReLU in place (ResNet's), runs as
+        one pass over each block of channels each way instead of three: on
+        the CPU these layers cost their passes over memory.  Takes a Scale
+        per channel (its bias or not), then a ReLU of slope 0; the numbers
+        are those of the layers one by one."""
+        operands = followers[0].channel_operands(self.channels) \
+            if not self.scale_bias and isinstance(followers[0], ScaleLayer) else None
+        if operands is None:
+            return 0
+        self._chain_scale = followers[0]
+        self._chain_relu = len(followers) > 1 and isinstance(followers[1], ReLULayer) and followers[1].slope == 0
+        return 2 if self._chain_relu else 1
+
+    def _affine(self):
+        """(scale blob, bias blob or None) of NVCaffe's scale_bias, else None."""
+        return (self.blobs[3], self.blobs[4]) if self.scale_bias else None
+
     def forward(self, bottom, top):
+        self._forward(bottom, top, self._affine(), relu=False)
+
+    def forward_chain(self, bottom, top):
+        self._forward(bottom, top, self._chain_scale.channel_operands(self.channels), self._chain_relu)
+        self._chain_scale.take_input(self._y.reshape(bottom[0].shape))
+
+    def _forward(self, bottom, top, affine, relu):
+        """top = max(y * scale + bias, 0) for y the normalised x, the affine
+        (blobs (scale, bias or None)) and the max where asked, a block of
+        channels at a time (compiled: backend/channels.py)."""
         xp = self.xp
         x = self._view(bottom[0].data)
         dtype = self.dtype.type
@@ -103,14 +136,40 @@ class BatchNormLayer(Layer):
             std = xp.sqrt(var + eps)
         else:
             mean, var, std = (xp.empty(self.channels, self.dtype) for _ in range(3))
-            m = x.size // self.channels
         # Backward needs y; keep a private copy since an in-place successor may
         # overwrite top's data (as Caffe keeps x_norm_).  A bound top copies
         # what it is given (the memory plan's buffer), so it may get y itself.
         y = xp.empty(x.shape, self.dtype)
-        out = y if top[0].bound and not self.scale_bias else xp.empty(x.shape, self.dtype)
-        if self.scale_bias:
-            scale, bias = self.blobs[3].data, self.blobs[4].data
+        out = y if top[0].bound and not affine and not relu else xp.empty(x.shape, self.dtype)
+        scale = affine[0].data.reshape(-1) if affine else None
+        bias = affine[1].data.reshape(-1) if affine and affine[1] is not None else None
+        if channels.available(*(a for a in (x, y, out, mean, std, scale, bias) if a is not None)):
+            stats = channels.GIVEN_STATS if self.use_global_stats else channels.BATCH_STATS
+            stored = None if out is y else out
+
+            def block(b):
+                channels.forward(x, y, stored, stats, mean, var, std, scale, bias, relu, self.eps, b)
+        else:
+            block = self._numpy_forward_block(x, y, out, mean, var, std, scale, bias, relu)
+        kernels.per_channel(xp, block, x.shape, self.dtype)
+        if not self.use_global_stats:
+            m = x.size // self.channels
+            correction = m / (m - 1.0) if m > 1 else 1.0
+            maf = self.maf
+            self.blobs[2].data = self.blobs[2].data * maf + 1
+            self.blobs[0].data = self.blobs[0].data * maf + mean
+            self.blobs[1].data = self.blobs[1].data * maf + correction * var
+        self._std = std
+        self._y = y
+        top[0].data = out.reshape(bottom[0].shape)
+
+    def _numpy_forward_block(self, x, y, out, mean, var, std, scale, bias, relu):
+        """The forward of a block of channels as NumPy calls (float64, or
+        where the compiled kernels do not run)."""
+        xp = self.xp
+        dtype = self.dtype.type
+        eps = dtype(self.eps)
+        m = x.size // self.channels
 
         def block(b):
             # one pass over each block of channels, in cache from the first step
@@ -122,43 +181,75 @@ class BatchNormLayer(Layer):
                 var[b] = kernels.sum_of_products(xp, yb, yb, (0, 2)) / dtype(m)
                 std[b] = xp.sqrt(var[b] + eps)
             yb /= std[b, None]
-            if self.scale_bias:
+            if scale is not None:
                 xp.multiply(yb, scale[b, None], out=ob)
-                ob += bias[b, None]
+                if bias is not None:
+                    ob += bias[b, None]
             elif out is not y:
                 ob[...] = yb
-        kernels.per_channel(xp, block, x.shape, self.dtype)
-        if not self.use_global_stats:
-            correction = m / (m - 1.0) if m > 1 else 1.0
-            maf = self.maf
-            self.blobs[2].data = self.blobs[2].data * maf + 1
-            self.blobs[0].data = self.blobs[0].data * maf + mean
-            self.blobs[1].data = self.blobs[1].data * maf + correction * var
-        self._std = std
-        self._y = y
-        top[0].data = out.reshape(bottom[0].shape)
-
-    def _per_channel(self, i):
-        """blobs[i] (C,) shaped to broadcast over the (N, C, spatial) view."""
-        return self.blobs[i].data.reshape(1, self.channels, 1)
+            if relu:
+                xp.maximum(ob, 0, out=ob)
+        return block
 
     def backward(self, top, propagate_down, bottom):
+        self._backward(top, propagate_down, bottom, self._affine(), relu=False)
+
+    def backward_chain(self, top, propagate_down, bottom):
+        self._backward(top, propagate_down, bottom, self._chain_scale.channel_operands(self.channels),
+                       self._chain_relu)
+
+    def _backward(self, top, propagate_down, bottom, affine, relu):
+        """The gradients of :meth:`_forward`'s output, a block of channels at
+        a time: the ReLU's mask from the top's data, the affine's sums, dx."""
         xp = self.xp
         dy = self._view(top[0].diff)
-        if self.scale_bias:
-            self.blobs[3].diff += kernels.sum_of_products(xp, dy, self._y, (0, 2))
-            self.blobs[4].diff += kernels.sum_over(xp, dy, (0, 2))
-            dy = dy * self._per_channel(3)
-        if not propagate_down[0]:
+        out = self._view(top[0].data) if relu else None
+        y = self._y
+        scale = affine[0].data.reshape(-1) if affine else None
+        dscale = xp.empty(self.channels, self.dtype) if affine else None
+        dbias = xp.empty(self.channels, self.dtype) if affine and affine[1] is not None else None
+        dx = xp.empty(dy.shape, dy.dtype) if propagate_down[0] else None
+        if dx is None and not affine:
             return
-        if self.use_global_stats:
+        if channels.available(*(a for a in (dy, out, y, dx, self._std, scale) if a is not None)):
+            stats = channels.GIVEN_STATS if self.use_global_stats else channels.BATCH_STATS
+
+            def block(b):
+                channels.backward(dy, y, dx, stats, self._std, scale, dscale, dbias, out, b)
+            kernels.per_channel(xp, block, dy.shape, dy.dtype)
+        else:
+            self._numpy_backward(dy, out, y, dx, scale, dscale, dbias)
+        if affine:
+            affine[0].diff += dscale.reshape(affine[0].shape)
+            if dbias is not None:
+                affine[1].diff += dbias.reshape(affine[1].shape)
+        if dx is not None:
+            bottom[0].diff = dx.reshape(bottom[0].shape)
+
+    def _numpy_backward(self, dy, out, y, dx, scale, dscale, dbias):
+        """:meth:`_backward`'s blocks as NumPy calls (float64, or where the
+        compiled kernels do not run); dx written unless None."""
+        xp = self.xp
+
+        def dy_of(b):
+            # the gradient reaching y in this block (through the max and the affine)
+            g = dy[:, b]
+            if out is not None:
+                g = xp.multiply(g, out[:, b] > 0)
+            if scale is not None:
+                if dbias is not None:
+                    dbias[b] = kernels.sum_over(xp, g, (0, 2))
+                dscale[b] = kernels.sum_of_products(xp, g, y[:, b], (0, 2))
+                g = xp.multiply(g, scale[b, None])
+            return g
+        if dx is None:
+            kernels.per_channel(xp, dy_of, dy.shape, dy.dtype)
+        elif self.use_global_stats:
             std = self._std
-            dx = xp.empty(dy.shape, dy.dtype)
-            kernels.per_channel(xp, lambda b: xp.divide(dy[:, b], std[b, None], out=dx[:, b]),
+            kernels.per_channel(xp, lambda b: xp.divide(dy_of(b), std[b, None], out=dx[:, b]),
                                 dy.shape, dy.dtype)
         else:
-            dx = _normalize_backward(xp, dy, self._y, self._std)
-        bottom[0].diff = dx.reshape(bottom[0].shape)
+            _normalize_backward(xp, dy_of, y, self._std, dx)
 
 
 @register("MVN")
@@ -204,7 +295,8 @@ class MVNLayer(Layer):
         if self.param.mvn_param.normalize_variance:
             # Caffe's formula (exact up to the eps in the denominator), each
             # group a channel of a (1, groups, elements) view
-            dx = _normalize_backward(self.xp, dy[None], self._y[None], self._std.reshape(-1))[0]
+            dy3 = dy[None]
+            dx = _normalize_backward(self.xp, lambda b: dy3[:, b], self._y[None], self._std.reshape(-1))[0]
         else:
             dx = dy - dy.mean(axis=1, keepdims=True)
         bottom[0].diff = dx.reshape(bottom[0].shape)

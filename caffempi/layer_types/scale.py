@@ -1,7 +1,7 @@
 """Scale and Bias: multiply / add an operand (a parameter or a second bottom)
 that covers axes [axis, axis + operand.ndim) of bottom[0] and is broadcast
 over the others."""
-from ..backend import kernels
+from ..backend import channels, kernels
 from .base import Layer, register
 
 
@@ -105,6 +105,22 @@ class ScaleLayer(Layer):
     def _scale(self, bottom):
         return bottom[1] if len(bottom) > 1 else self.blobs[0]
 
+    def channel_operands(self, channels):
+        """(scale blob, bias blob or None) where this layer multiplies axis 1
+        of its one bottom by ``channels`` learned numbers (BatchNorm's
+        affine in Caffe's spelling), else None."""
+        p = self.param.scale_param
+        ndim = len(self.bottom_shape)
+        if len(self.param.bottom) != 1 or ndim < 2 or p.axis % ndim != 1 or self.blobs[0].shape != (channels,):
+            return None
+        return self.blobs[0], self.blobs[self.bias_index] if self.bias_term else None
+
+    def take_input(self, x):
+        """The input a layer that absorbed this one (:meth:`Layer.absorb`)
+        computed for it, kept for this layer's backward as its own in-place
+        forward keeps it."""
+        self._x = x
+
     def reshape(self, bottom, top):
         axis = self.param.scale_param.axis
         self.dims = _broadcast_dims(self, bottom[0].shape, self._scale(bottom).shape, axis)
@@ -144,16 +160,23 @@ class ScaleLayer(Layer):
         dbias = xp.empty(dim, dy.dtype) if self.bias_term else None
         dscale = xp.empty(dim, dy.dtype) if len(bottom) == 1 or propagate_down[1] else None
         dx = xp.empty(self.dims, dy.dtype) if propagate_down[0] else None
+        if channels.available(*(a for a in (dy, x, s, dx) if a is not None)):
+            # compiled, BatchNorm's kernel without statistics: a chain of the
+            # two fused (BatchNorm.absorb) sums in the same order
+            sums = dscale if dscale is not None else xp.empty(dim, dy.dtype)
 
-        def block(b):
-            # the sums and dx in one pass over each block of channels
-            dyb = dy[:, b]
-            if dbias is not None:
-                dbias[b] = kernels.sum_over(xp, dyb, (0, 2))
-            if dscale is not None:
-                dscale[b] = kernels.sum_of_products(xp, dyb, x[:, b], (0, 2))
-            if dx is not None:
-                xp.multiply(dyb, s[b, None], out=dx[:, b])
+            def block(b):
+                channels.backward(dy, x, dx, channels.NO_STATS, None, s, sums, dbias, None, b)
+        else:
+            def block(b):
+                # the sums and dx in one pass over each block of channels
+                dyb = dy[:, b]
+                if dbias is not None:
+                    dbias[b] = kernels.sum_over(xp, dyb, (0, 2))
+                if dscale is not None:
+                    dscale[b] = kernels.sum_of_products(xp, dyb, x[:, b], (0, 2))
+                if dx is not None:
+                    xp.multiply(dyb, s[b, None], out=dx[:, b])
         kernels.per_channel(xp, block, self.dims, dy.dtype)
         if dbias is not None:
             bias = self.blobs[self.bias_index]

@@ -45,7 +45,10 @@ CASES = {
     "BNLL": [('type: "BNLL"', [rand(2, 3, 4)], {})],
     "BatchNorm": [('type: "BatchNorm"', [rand(4, 3, 5, 5)], {}),
                   ('type: "BatchNorm" batch_norm_param { use_global_stats: false eps: 0.001 }',
-                   [rand(3, 4, 2, 2)], {})],
+                   [rand(3, 4, 2, 2)], {}),
+                  ('type: "BatchNorm" batch_norm_param { scale_bias: true '
+                   'scale_filler { type: "gaussian" } bias_filler { type: "gaussian" } }',
+                   [rand(4, 3, 5, 5)], {})],
     "BatchReindex": [('type: "BatchReindex"', [rand(4, 3, 2), np.array([2, 0, 2, 3.])],
                       {"check_bottoms": [0]})],
     "Bias": [('type: "Bias" bias_param { filler { type: "gaussian" } }', [rand(2, 3, 4, 4)], {}),

@@ -252,3 +252,181 @@ def test_batch_norm_scale_bias_params_learn_statistics_do_not():
     assert net.param_lr_mults == [0, 0, 0, 2, 3] and net.param_decay_mults[3:] == [0, 1]
     with pytest.raises(CaffeError, match="layer 'bn': cannot configure BatchNorm statistics"):
         Net(text_format.Parse(text % "param { lr_mult: 1 }", caffe_pb2.NetParameter()), TRAIN)
+
+
+# ----------------------------------------------------- BatchNorm → Scale → ReLU, fused
+def chain_net(relu=True, bias=True, global_stats=False, in_place=True, shape=(8, 6, 20, 20)):
+    """A net with Caffe's BatchNorm → Scale → ReLU chain on a convolution's top."""
+    from caffempi.proto import caffe_pb2
+    from google.protobuf import text_format
+    top = "c" if in_place else "b"
+    text = """force_backward: true
+    layer { name: "in" type: "Input" top: "x" input_param { shape { %s } } }
+    layer { name: "c" type: "Convolution" bottom: "x" top: "c"
+            convolution_param { num_output: 24 kernel_size: 1 } }
+    layer { name: "bn" type: "BatchNorm" bottom: "c" top: "%s" %s }
+    layer { name: "sc" type: "Scale" bottom: "%s" top: "%s" scale_param { bias_term: %s } }
+    """ % (" ".join("dim: %d" % d for d in shape), top,
+           "batch_norm_param { use_global_stats: true }" if global_stats else "",
+           top, top, "true" if bias else "false")
+    if relu:
+        text += 'layer { name: "r" type: "ReLU" bottom: "%s" top: "%s" }\n' % (top, top)
+    text += ('layer { name: "ip" type: "InnerProduct" bottom: "%s" top: "y" '
+             'inner_product_param { num_output: 3 } }\n' % top)
+    return text_format.Merge(text, caffe_pb2.NetParameter())
+
+
+def run_chain(fuse, dtype=np.float32, memory=None, **kw):
+    """(net, [output, bottom diff, every param's diff and data]) after a forward and backward."""
+    from caffempi import config
+    from caffempi.net import Net
+    param = chain_net(**kw)
+    with config.using_config(fuse=fuse):
+        net = Net(param, TRAIN, dtype=dtype, memory=memory)
+    for k, name in enumerate(net.params):
+        for j, blob in enumerate(net.params[name]):
+            values = rand(*blob.data.shape, seed=10 * k + j)
+            blob.data[...] = np.abs(values) + 0.5 if name == "bn" else values
+    net.blobs["x"].data[...] = rand(*net.blobs["x"].data.shape, seed=1)
+    net.forward()
+    net.blobs["y"].diff[...] = rand(*net.blobs["y"].data.shape, seed=2)
+    net.backward(diffs=["x"])
+    seen = {"y": net.blobs["y"].data.copy(), "x diff": net.blobs["x"].diff.copy()}
+    for name in net.params:
+        for j, blob in enumerate(net.params[name]):
+            seen["%s %d diff" % (name, j)], seen["%s %d" % (name, j)] = blob.diff.copy(), blob.data.copy()
+    return net, seen
+
+
+@pytest.mark.parametrize("kw", [{}, {"relu": False}, {"bias": False}, {"global_stats": True},
+                                {"in_place": False}, {"memory": "reuse"}, {"shape": (2, 6, 3, 5)}])
+def test_fused_chain_gives_the_layers_numbers_bitwise(kw, monkeypatch):
+    from caffempi.layer_types.scale import ScaleLayer
+    _, alone = run_chain(False, **kw)
+    # the fused net never runs Scale's own forward or backward
+    monkeypatch.setattr(ScaleLayer, "forward", lambda *a: pytest.fail("Scale ran by itself"))
+    monkeypatch.setattr(ScaleLayer, "backward", lambda *a: pytest.fail("Scale ran by itself"))
+    _, fused = run_chain(True, **kw)
+    assert fused.keys() == alone.keys()
+    for key in alone:
+        assert np.array_equal(fused[key], alone[key]), key
+
+
+def test_fused_chain_is_not_used_under_recompute(monkeypatch):
+    from caffempi.layer_types.normalization import BatchNormLayer
+    _, alone = run_chain(False, memory="recompute")
+    monkeypatch.setattr(BatchNormLayer, "forward_chain", lambda *a: pytest.fail("fused under recompute"))
+    _, fused = run_chain(True, memory="recompute")
+    for key in alone:
+        assert np.array_equal(fused[key], alone[key]), key
+
+
+def test_passes_that_end_or_start_inside_the_chain_run_its_layers_one_by_one():
+    """Passes that cover part of the chain give the numbers of the layers
+    one by one: forward to the BatchNorm, on from the Scale; backward from
+    the Scale after a fused forward (whose states serve the layers alone)."""
+    def passes(fuse):
+        net, _ = run_chain(fuse)
+        net.forward(end="bn")
+        seen = [net.blobs["c"].data.copy()]
+        net.forward(start="sc")
+        seen.append(net.blobs["y"].data.copy())
+        net.forward()
+        for blob in (b for name in net.params for b in net.params[name]):
+            blob.diff[...] = 0
+        net.blobs["y"].diff[...] = rand(*net.blobs["y"].data.shape, seed=3)
+        net.backward(end="r")
+        net.backward(start="sc", diffs=["x"])
+        return seen + [net.blobs["x"].diff.copy()] + [b.diff.copy() for name in net.params for b in net.params[name]]
+    fused, alone = passes(True), passes(False)
+    for a, b in zip(fused, alone):
+        assert np.array_equal(a, b)
+
+
+@pytest.mark.parametrize("global_stats", [False, True])
+def test_fused_chain_finite_differences(global_stats):
+    """The fused backward against central differences of the net's output
+    (float64), for the input and the Scale's params."""
+    net, _ = run_chain(True, dtype=np.float64, global_stats=global_stats, shape=(3, 6, 4, 4))
+    weights = rand(*net.blobs["y"].data.shape, seed=5)
+
+    def objective():
+        net.forward()
+        return float((net.blobs["y"].data * weights).sum())
+    objective()
+    for name in net.params:
+        for blob in net.params[name]:
+            blob.diff[...] = 0
+    net.blobs["y"].diff[...] = weights
+    net.backward(diffs=["x"])
+    analytic = {"x": net.blobs["x"].diff.copy(), "scale": net.params["sc"][0].diff.copy(),
+                "bias": net.params["sc"][1].diff.copy()}
+    bn_stats = [b.data.copy() for b in net.params["bn"]]
+    h = 1e-5
+    for key, array in (("x", net.blobs["x"].data), ("scale", net.params["sc"][0].data),
+                       ("bias", net.params["sc"][1].data)):
+        flat = array.reshape(-1)
+        for k in np.random.RandomState(7).choice(flat.size, 6, replace=False):
+            numeric = []
+            for step in (h, -h):
+                flat[k] += step
+                for blob, stats in zip(net.params["bn"], bn_stats):   # the same statistics each time
+                    blob.data[...] = stats
+                numeric.append(objective())
+                flat[k] -= step
+            estimate = (numeric[0] - numeric[1]) / (2 * h)
+            assert abs(analytic[key].reshape(-1)[k] - estimate) <= 1e-6 * max(1.0, abs(estimate)), (key, k)
+
+
+# ------------------------------------------- compiled per-channel kernels (backend/channels.py)
+def compiled_runs():
+    from caffempi.backend import channels
+    x = np.zeros((1, 1, 1), np.float32)
+    return channels.available(x)
+
+
+needs_compiled = pytest.mark.skipif(not compiled_runs(), reason="the compiled kernels do not run here")
+
+
+@needs_compiled
+@pytest.mark.parametrize("kw", [{}, {"relu": False}, {"bias": False}, {"global_stats": True},
+                                {"shape": (3, 6, 7, 9)}, {"shape": (2, 6, 1, 1)}])
+@pytest.mark.parametrize("fuse", [True, False])
+def test_compiled_passes_match_numpys(kw, fuse):
+    """float32 through the compiled kernels against the NumPy blocks: the
+    same within float32 rounding of sums over a channel."""
+    from caffempi import config
+    with config.using_config(fuse=fuse):
+        _, compiled = run_chain(True, **kw)
+        with config.using_config(compiled_channels=False):
+            _, numpy_blocks = run_chain(True, **kw)
+    # not the convolution's bias gradient: the sum of dx over a channel,
+    # zero but for rounding (BatchNorm's dx has a zero mean)
+    del compiled["c 1 diff"]
+    for key in compiled:
+        np.testing.assert_allclose(compiled[key], numpy_blocks[key], rtol=2e-5,
+                                   atol=2e-5 * max(1.0, float(np.abs(numpy_blocks[key]).max())), err_msg=key)
+
+
+@needs_compiled
+@pytest.mark.parametrize("global_stats", [False, True])
+def test_compiled_batch_norm_scale_bias_matches_numpys(global_stats):
+    from caffempi import config
+    text = 'type: "BatchNorm" batch_norm_param { scale_bias: true use_global_stats: %s ' \
+           'scale_filler { type: "gaussian" } bias_filler { type: "gaussian" } }' % str(global_stats).lower()
+    x = rand(4, 5, 6, 7).astype(np.float32) * 2 + 1
+    dy = rand(4, 5, 6, 7, seed=3).astype(np.float32)
+    results = []
+    for compiled in (True, False):
+        with config.using_config(compiled_channels=compiled):
+            layer, bottom, top = run_layer(text, [x], dtype=np.float32)
+            if global_stats:
+                set_blobs(layer, [rand(5, seed=4), np.abs(rand(5, seed=5)) + 0.5, [0.9],
+                                  layer.blobs[3].data, layer.blobs[4].data])
+                layer.forward(bottom, top)
+            top[0].diff = dy.copy()
+            layer.backward(top, [True], bottom)
+            results.append([top[0].data.copy(), bottom[0].diff.copy(), layer.blobs[3].diff.copy(),
+                            layer.blobs[4].diff.copy()] + [b.data.copy() for b in layer.blobs[:3]])
+    for a, b in zip(*results):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(b).max())))
