@@ -20,6 +20,8 @@ class Collectives:
         self.size = world.size
         self.is_root = world.rank == 0
         self._warned_test = set()
+        self._asked = np.zeros(len(self.ACTION_ORDER))      # this rank's signal requests, by kind
+        self._agreed = np.zeros(len(self.ACTION_ORDER))     # their agreed counts (combine_action)
 
     @property
     def active(self):
@@ -56,16 +58,25 @@ class Collectives:
         everyone = self.world.allgather(info, "the diverged ranks' descriptions")
         return [(r, i) for r, i in enumerate(everyone) if i is not None]
 
+    #: signal actions in the order they win when ranks ask for several at once
+    ACTION_ORDER = (SolverAction.SNAPSHOT_AND_STOP, SolverAction.STOP, SolverAction.SNAPSHOT)
+
     def combine_action(self, action):
-        """The signal action every rank takes (signals reach the ranks at
-        different moments): the first of SNAPSHOT_AND_STOP, STOP and SNAPSHOT
-        that any rank asks for, else NONE."""
+        """The signal action every rank takes: the first of
+        SNAPSHOT_AND_STOP, STOP and SNAPSHOT that some rank has asked for
+        more times than the ranks have agreed on it, else NONE.  Each rank
+        counts what it was asked (``action``, once a poll) and the ranks
+        agree on each count's maximum: a signal sent to every rank reaches
+        them at different iterations, and the ranks it reaches late must
+        not act on it a second time."""
         if not self.active:
             return action
-        order = (SolverAction.SNAPSHOT_AND_STOP, SolverAction.STOP, SolverAction.SNAPSHOT)
-        asked = self.world.allreduce_scalars([1.0 if action == a else 0.0 for a in order], "max",
-                                             "the agreement on signal actions")
-        return next((a for a, flag in zip(order, asked) if flag), SolverAction.NONE)
+        if action in self.ACTION_ORDER:
+            self._asked[self.ACTION_ORDER.index(action)] += 1
+        counts = self.world.allreduce_scalars(self._asked, "max", "the agreement on signal actions")
+        new = counts > self._agreed
+        self._agreed = np.maximum(self._agreed, counts)
+        return next((a for a, fresh in zip(self.ACTION_ORDER, new) if fresh), SolverAction.NONE)
 
     # ---------------------------------------------------------------- testing
     def split_test_iters(self, test_iter):

@@ -336,3 +336,27 @@ def test_compress_flags_are_checked_when_the_config_is_made():
     with pytest.raises(CaffeError, match="--compress=powersgd cannot go with --sync=easgd"):
         ParallelConfig(compress="powersgd", sync="easgd")
 
+
+
+class _ScriptedRankWorld(SingleWorld):
+    """Rank 0 of two whose rank 1 reports the next of ``others`` (its
+    counts) in each max allreduce."""
+    size = 2
+
+    def __init__(self, others):
+        self.others = list(others)
+
+    def allreduce_scalars(self, values, op="sum", what=None):
+        assert op == "max"
+        return np.maximum(np.asarray(values, np.float64), self.others.pop(0))
+
+
+def test_a_signal_that_reaches_the_ranks_at_different_iterations_acts_once():
+    from caffempi.common import SolverAction
+    from caffempi.parallel.collectives import Collectives
+    none, snap, stop = SolverAction.NONE, SolverAction.SNAPSHOT, SolverAction.SNAPSHOT_AND_STOP
+    # rank 1's counts (SNAPSHOT_AND_STOP, STOP, SNAPSHOT) at each poll: its SIGHUP
+    # comes a poll after rank 0's, its SIGTERM a poll before
+    col = Collectives(_ScriptedRankWorld([[0, 0, 0], [0, 0, 1], [0, 0, 1], [1, 0, 1], [1, 0, 1], [1, 0, 2]]))
+    assert [col.combine_action(a) for a in (snap, none, none, none, stop, snap)] == \
+        [snap, none, none, stop, none, snap]
