@@ -425,7 +425,8 @@ class Net:
         ``_chain_first``: last index -> first, where backward over the whole
         chain calls ``backward_chain`` at the last (so each layer's params
         have their gradients by its backward hook), when every layer of it
-        takes a gradient.  Not under the memory plan's recompute, which runs
+        runs a backward (the first's bottoms get gradients as the net
+        says).  Not under the memory plan's recompute, which runs
         the layers one by one in backward."""
         self._chain_last, self._chain_first = {}, {}
         if not (config.settings.fuse and kernels.fuses_layers(self.xp)):
@@ -445,7 +446,8 @@ class Net:
             if taken:
                 self._chain_last[i] = i + taken
                 chain = range(i, i + taken + 1)
-                if all(self.layer_need_backward[j] and all(self.bottom_need_backward[j]) for j in chain):
+                if all(self.layer_need_backward[j] for j in chain) \
+                        and all(self.bottom_need_backward[j][0] for j in chain[1:]):
                     self._chain_first[i + taken] = i
             i += taken + 1
 

@@ -95,20 +95,26 @@ def sum_of_products(xp, a, b, axes):
     return _einsum_sum([a, b], axes) if xp is np else (a * b).sum(axis=axes)
 
 
-def elementwise(xp, fn, *arrays):
+def elementwise(xp, fn, *arrays, outputs=1):
     """A new C-contiguous array ``out`` of arrays[0]'s shape and dtype,
     written by ``fn(*arrays, out=out)``, where ``fn`` is elementwise and
     the arrays share one shape: on the CPU one call per flat block of them
     on the intra-op threads (:func:`caffempi.backend.cpu.for_element_blocks`),
-    on the GPU one call."""
-    out = xp.empty(arrays[0].shape, arrays[0].dtype)
+    on the GPU one call.  With ``outputs`` > 1, a tuple of that many new
+    arrays, ``out`` the tuple of their blocks (several results of one pass
+    over the inputs)."""
+    outs = tuple(xp.empty(arrays[0].shape, arrays[0].dtype) for _ in range(outputs))
     if xp is not np:
-        fn(*arrays, out=out)
-        return out
+        fn(*arrays, out=outs[0] if outputs == 1 else outs)
+        return outs[0] if outputs == 1 else outs
     flat = [a.reshape(-1) for a in arrays]
-    out_flat = out.reshape(-1)
-    cpu.for_element_blocks(out.size, out.itemsize, lambda b: fn(*(a[b] for a in flat), out=out_flat[b]))
-    return out
+    outs_flat = [o.reshape(-1) for o in outs]
+
+    def block(b):
+        out = tuple(o[b] for o in outs_flat)
+        fn(*(a[b] for a in flat), out=out[0] if outputs == 1 else out)
+    cpu.for_element_blocks(outs[0].size, outs[0].itemsize, block)
+    return outs[0] if outputs == 1 else outs
 
 
 def per_channel(xp, body, shape, dtype):

@@ -5,6 +5,7 @@ semantics)."""
 from ..backend import kernels
 from ..proto import caffe_pb2
 from .base import Layer, register
+from .neuron import ReLULayer
 
 _ELTWISE = caffe_pb2.EltwiseParameter
 _REDUCTION = caffe_pb2.ReductionParameter
@@ -55,11 +56,12 @@ def _contiguous_part(xp, a, axis, start, stop):
     return xp.ascontiguousarray(part)
 
 
-def _weighted_sum(xp, arrays, coeffs):
+def _weighted_sum(xp, arrays, coeffs, relu=False):
     """A new array: the sum of c * a over ``arrays`` (of one shape) and
     ``coeffs``, added in order, each product rounded to the arrays' dtype
-    first (a coefficient of 1 takes the array as it is); in blocks on the
-    intra-op threads (:func:`kernels.elementwise`)."""
+    first (a coefficient of 1 takes the array as it is), then max(sum, 0)
+    with ``relu``; in blocks on the intra-op threads
+    (:func:`kernels.elementwise`)."""
     scalar = arrays[0].dtype.type
 
     def fn(first, *rest, out):
@@ -69,6 +71,8 @@ def _weighted_sum(xp, arrays, coeffs):
             xp.multiply(first, scalar(coeffs[0]), out=out)
         for a, c in zip(rest, coeffs[1:]):
             out += a if c == 1 else a * scalar(c)
+        if relu:
+            xp.maximum(out, 0, out=out)
     return kernels.elementwise(xp, fn, *arrays)
 
 
@@ -423,6 +427,40 @@ class EltwiseLayer(Layer):
             if b.shape != bottom[0].shape:
                 raise self.error("bottom shapes %s and %s differ", bottom[0].shape, b.shape)
         top[0].reshape(bottom[0].shape)
+
+    def absorb(self, followers):
+        """A SUM and a ReLU of slope 0 in place on its top (ResNet's
+        shortcut and its activation) run as one pass each way, with the
+        numbers of the two layers one by one."""
+        relu = followers[0]
+        return int(self._op == _ELTWISE.SUM and isinstance(relu, ReLULayer) and relu.slope == 0)
+
+    def forward_chain(self, bottom, top):
+        top[0].data = _weighted_sum(self.xp, [b.data for b in bottom], self._coeffs, relu=True)
+
+    def backward_chain(self, top, propagate_down, bottom):
+        """The ReLU's gradient (dy where the output is positive) and each
+        bottom's share of it, in one pass over dy."""
+        xp = self.xp
+        wanted = [i for i in range(len(bottom)) if propagate_down[i]]
+        if not wanted:
+            return
+        scalar = self.dtype.type
+        coeffs = [self._coeffs[i] for i in wanted]
+
+        def fn(dy, y, out):
+            outs = out if len(wanted) > 1 else (out,)
+            g = xp.multiply(dy, y > 0, out=outs[0])
+            for o, c in zip(outs[1:], coeffs[1:]):
+                if c == 1:
+                    xp.copyto(o, g)
+                else:
+                    xp.multiply(g, scalar(c), out=o)
+            if coeffs[0] != 1:
+                g *= scalar(coeffs[0])
+        diffs = kernels.elementwise(xp, fn, top[0].diff, top[0].data, outputs=len(wanted))
+        for i, diff in zip(wanted, diffs if len(wanted) > 1 else (diffs,)):
+            bottom[i].diff = diff
 
     def forward(self, bottom, top):
         xp = self.xp

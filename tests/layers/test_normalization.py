@@ -430,3 +430,38 @@ def test_compiled_batch_norm_scale_bias_matches_numpys(global_stats):
                             layer.blobs[4].diff.copy()] + [b.data.copy() for b in layer.blobs[:3]])
     for a, b in zip(*results):
         np.testing.assert_allclose(a, b, rtol=2e-5, atol=2e-5 * max(1.0, float(np.abs(b).max())))
+
+
+def test_chain_on_an_input_runs_forward_fused_and_backward_alone(monkeypatch):
+    """A chain whose BatchNorm runs no backward (on an input, no
+    force_backward): forward fused, backward the Scale's and ReLU's own,
+    bitwise the numbers of the layers one by one."""
+    from caffempi import config
+    from caffempi.layer_types.scale import ScaleLayer
+    from caffempi.net import Net
+    from caffempi.proto import caffe_pb2
+    from google.protobuf import text_format
+    text = """
+    layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 6 dim: 5 dim: 7 dim: 3 } } }
+    layer { name: "bn" type: "BatchNorm" bottom: "x" top: "b" }
+    layer { name: "sc" type: "Scale" bottom: "b" top: "b" scale_param { bias_term: true } }
+    layer { name: "r" type: "ReLU" bottom: "b" top: "b" }
+    layer { name: "ip" type: "InnerProduct" bottom: "b" top: "y" loss_weight: 1
+            inner_product_param { num_output: 2 } }
+    """
+
+    def run(fuse):
+        with config.using_config(fuse=fuse):
+            net = Net(text_format.Merge(text, caffe_pb2.NetParameter()), TRAIN)
+        for j, blob in enumerate(net.params["sc"]):
+            blob.data[...] = rand(5, seed=j)
+        net.params["ip"][0].data[...] = rand(2, 105, seed=3)
+        net.blobs["x"].data[...] = rand(6, 5, 7, 3, seed=4)
+        net.forward()
+        net.backward()
+        return [blob.diff.copy() for name in ("sc", "ip") for blob in net.params[name]]
+    alone = run(False)
+    monkeypatch.setattr(ScaleLayer, "forward", lambda *a: pytest.fail("Scale ran by itself"))
+    for a, b in zip(run(True), alone):
+        assert np.array_equal(a, b)
+    assert np.abs(alone[0]).max() > 0

@@ -343,3 +343,71 @@ def test_float32_forward_dtypes():
         layer = make_layer(text, dtype=np.float32)
         _, _, top = run_layer(layer, xs[:n], dtype=np.float32)
         assert top[0].data.dtype == np.float32, text
+
+
+# ------------------------------------------------ Eltwise SUM → ReLU, fused
+def eltwise_relu_net(coeffs, propagate=(True, True)):
+    """Two inputs (each through a convolution unless its gradient is not
+    wanted), their Eltwise SUM and a ReLU in place, an InnerProduct whose
+    output is the loss."""
+    from caffempi.proto import caffe_pb2
+    from google.protobuf import text_format
+    text = ""
+    for k, wanted in enumerate(propagate):
+        text += 'layer { name: "in%d" type: "Input" top: "x%d" input_param { shape { dim: 4 dim: 3 dim: 30 dim: 40 } } }\n' % (k, k)
+        source = "x%d" % k
+        if wanted:
+            text += ('layer { name: "c%d" type: "Convolution" bottom: "x%d" top: "c%d" '
+                     'convolution_param { num_output: 3 kernel_size: 1 } }\n' % (k, k, k))
+            source = "c%d" % k
+        text += 'layer { name: "id%d" type: "Power" bottom: "%s" top: "b%d" }\n' % (k, source, k)
+    text += 'layer { name: "sum" type: "Eltwise" bottom: "b0" bottom: "b1" top: "s" eltwise_param { %s } }\n' % \
+        " ".join("coeff: %g" % c for c in coeffs)
+    text += 'layer { name: "r" type: "ReLU" bottom: "s" top: "s" }\n'
+    text += ('layer { name: "ip" type: "InnerProduct" bottom: "s" top: "y" loss_weight: 1 '
+             'inner_product_param { num_output: 2 } }\n')
+    return text_format.Merge(text, caffe_pb2.NetParameter())
+
+
+def run_eltwise_relu(fuse, coeffs=(), propagate=(True, True), ranges=None):
+    from caffempi import config
+    from caffempi.common import TRAIN
+    from caffempi.net import Net
+    with config.using_config(fuse=fuse):
+        net = Net(eltwise_relu_net(coeffs, propagate), TRAIN)
+    for k, name in enumerate(net.params):
+        for j, blob in enumerate(net.params[name]):
+            blob.data[...] = rand(*blob.data.shape, seed=10 * k + j)
+    for k in range(2):
+        net.blobs["x%d" % k].data[...] = rand(4, 3, 30, 40, seed=k + 1)
+    if ranges is None:
+        net.forward()
+    else:
+        net.forward(end="sum")
+        net.forward(start="r")
+    if ranges is None:
+        net.backward()
+    else:
+        net.backward(end="r")
+        net.backward(start="sum")
+    seen = {"y": net.blobs["y"].data.copy()}
+    for k in range(2):
+        seen["b%d diff" % k] = net.blobs["b%d" % k].diff.copy()
+    for name in net.params:
+        for j, blob in enumerate(net.params[name]):
+            seen["%s %d diff" % (name, j)] = blob.diff.copy()
+    return seen
+
+
+@pytest.mark.parametrize("kw", [{}, {"coeffs": (1, -0.5)}, {"coeffs": (2, 1)}, {"propagate": (False, True)},
+                                {"ranges": True}])
+def test_fused_eltwise_relu_gives_the_layers_numbers_bitwise(kw, monkeypatch):
+    from caffempi.layer_types.neuron import ReLULayer
+    alone = run_eltwise_relu(False, **kw)
+    if "ranges" not in kw:      # whole passes: the ReLU never runs by itself
+        monkeypatch.setattr(ReLULayer, "forward", lambda *a: pytest.fail("ReLU ran by itself"))
+        monkeypatch.setattr(ReLULayer, "backward", lambda *a: pytest.fail("ReLU ran by itself"))
+    fused = run_eltwise_relu(True, **kw)
+    assert fused.keys() == alone.keys()
+    for key in alone:
+        assert np.array_equal(fused[key], alone[key]), key
