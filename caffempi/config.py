@@ -18,7 +18,7 @@ docs/configuration.md lists them for users.
 | CAFFEMPI_DIRECT_CONV | direct_conv | True | CPU convolutions may use the compiled direct kernel (backend/direct.py) where it is the faster |
 | CAFFEMPI_COMPILED_POOLING | compiled_pooling | True | CPU MAX pooling uses the compiled kernels (backend/pooling.py) where they run |
 | CAFFEMPI_COMPILED_CHANNELS | compiled_channels | True | CPU BatchNorm and per-channel Scale passes use the compiled kernels (backend/channels.py) where they run |
-| CAFFEMPI_FUSE | fuse | True | CPU nets run BatchNorm → Scale → ReLU chains in place as one pass each way (Layer.absorb) |
+| CAFFEMPI_FUSE | fuse | True | CPU nets run BatchNorm → Scale → ReLU and Eltwise SUM → ReLU chains in place as one pass each way (Layer.absorb) |
 
 A value that cannot be read is a one-line CaffeError naming the variable
 (raised where the setting is first used, so the CLI reports it as any other
