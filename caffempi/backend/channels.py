@@ -9,11 +9,11 @@ step from cache and the passes are bound by memory.
 
 For channels c0..c1 of (planes, C, S) float32 arrays, C-contiguous:
 
-forward: with batch statistics, mean = sum(x) / m, var = sum((x -
-mean)^2) / m, std = sqrt(var + eps) (m = planes * S), written to the
-per-channel arrays; with given statistics mean and std are read; without
-(Scale alone) v = x.  v = (x - mean) / std is stored in ``y``; then
-o = v * scale (+ bias), max(o, 0) where asked, stored in ``out``.
+forward (BatchNorm's): with batch statistics, mean = sum(x) / m, var =
+sum((x - mean)^2) / m, std = sqrt(var + eps) (m = planes * S), written to
+the per-channel arrays; with given statistics mean and std are read.
+y = (x - mean) / std is stored in ``y``; then o = y * scale (+ bias),
+max(o, 0) where asked, stored in ``out``.
 
 backward: g = dy, times (out > 0) where the forward took the max; the
 affine's sums dbias = sum(g), dscale = sum(g * y) (``y``: the affine's
@@ -40,14 +40,10 @@ from .. import config
 from . import llvm
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-# statistics: none (Scale alone), the batch's (computed here), given (read)
+# statistics: none (Scale's backward alone), the batch's (computed here), given (read)
 NO_STATS, BATCH_STATS, GIVEN_STATS = 0, 1, 2
 # affine: none, scale, scale and bias
 NO_AFFINE, SCALE, SCALE_BIAS = 0, 1, 2
-
-
-def _lanes():
-    return 16 if llvm.host_features().get("avx512f") else 8
 
 
 class _Channel:
@@ -98,7 +94,7 @@ class _Channel:
         return out
 
 
-def _forward(m, lanes, stats, affine, relu, store_y, store_out):
+def _forward(m, lanes, stats, affine, relu, store_out):
     """kernel(x, y, out, mean, var, std, scale, bias, planes, C, S, c0, c1, eps)."""
     fn, b = m.function("kernel", [m.fp] * 8 + [m.i64] * 5 + [m.f32])
     x, y, out, mean, var, std, scale, bias, planes, channels, size, c0, c1, eps = fn.args
@@ -117,17 +113,14 @@ def _forward(m, lanes, stats, affine, relu, store_y, store_out):
             std_c = b.call(sqrt, [b.fadd(var_c, eps)])
             for value, array in ((mean_c, mean), (var_c, var), (std_c, std)):
                 b.store(value, b.gep(array, [c]))
-        elif stats == GIVEN_STATS:
+        else:
             mean_c, std_c = b.load(b.gep(mean, [c])), b.load(b.gep(std, [c]))
         scale_c = b.load(b.gep(scale, [c])) if affine else None
         bias_c = b.load(b.gep(bias, [c])) if affine == SCALE_BIAS else None
 
         def step(at, w, _):
-            v = ch.load(x, at, w)
-            if stats != NO_STATS:
-                v = b.fdiv(b.fsub(v, ch.spread(mean_c, w)), ch.spread(std_c, w))
-            if store_y:
-                ch.store(v, y, at)
+            v = b.fdiv(b.fsub(ch.load(x, at, w), ch.spread(mean_c, w)), ch.spread(std_c, w))
+            ch.store(v, y, at)
             if affine:
                 v = b.fmul(v, ch.spread(scale_c, w))
             if bias_c is not None:
@@ -202,7 +195,7 @@ def _kernel(kind, *variant):
     flags, as the builders take them) as a ctypes function, compiled when
     first asked for; None where it does not run.  Threads may ask at once:
     LLVM compiles one at a time, and a copy compiled meanwhile is dropped."""
-    lanes = _lanes()
+    lanes = 16 if llvm.has_avx512() else 8
     m = llvm.Builder("caffempi_channels", lanes)
     if kind == "forward":
         _forward(m, lanes, *variant)
@@ -229,15 +222,15 @@ def _address(a):
 
 def forward(x, y, out, stats, mean, var, std, scale=None, bias=None, relu=False, eps=0.0, block=slice(None)):
     """The forward steps, as the module says, for the channels of ``block``
-    (a slice of axis 1) of (planes, C, S) ``x``, ``y`` (None: v is not
-    stored) and ``out`` (None: not stored; not ``y``); ``mean``, ``var``,
-    ``std``: (C,) arrays, written with BATCH_STATS, read (mean, std) with
-    GIVEN_STATS; ``scale``, ``bias``: (C,) or None."""
+    (a slice of axis 1) of (planes, C, S) ``x``, ``y`` and ``out`` (None:
+    not stored; not ``y``); ``stats``: BATCH_STATS or GIVEN_STATS; ``mean``,
+    ``var``, ``std``: (C,) arrays, written with BATCH_STATS, read (mean,
+    std) with GIVEN_STATS; ``scale``, ``bias``: (C,) or None."""
     planes, channels, size = x.shape
     affine = NO_AFFINE if scale is None else SCALE if bias is None else SCALE_BIAS
     c0, c1, _ = block.indices(channels)
-    _kernel("forward", stats, affine, bool(relu), y is not None, out is not None)(
-        x.ctypes.data, _address(y), _address(out), _address(mean), _address(var), _address(std),
+    _kernel("forward", stats, affine, bool(relu), out is not None)(
+        x.ctypes.data, y.ctypes.data, _address(out), _address(mean), _address(var), _address(std),
         _address(scale), _address(bias), planes, channels, size, c0, c1, eps)
 
 

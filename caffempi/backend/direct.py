@@ -180,16 +180,11 @@ def _ir(tile):
     return str(m.module)
 
 
-@functools.lru_cache(maxsize=None)
-def _has_avx512():
-    return bool(llvm.host_features().get("avx512f"))
-
-
 def tile_for(og):
     """The tile for ``og`` outputs a group here: :data:`AVX512_TILE` where
     the CPU has AVX-512F and they fill its blocks of 32, else
     :data:`AVX2_TILE` (blocks of 16)."""
-    return AVX512_TILE if _has_avx512() and og % AVX512_TILE.out_block == 0 else AVX2_TILE
+    return AVX512_TILE if llvm.has_avx512() and og % AVX512_TILE.out_block == 0 else AVX2_TILE
 
 
 @functools.lru_cache(maxsize=None)

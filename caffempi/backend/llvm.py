@@ -119,6 +119,12 @@ def host_features():
     return {} if native is None else dict(native[1])
 
 
+@functools.lru_cache(maxsize=None)
+def has_avx512():
+    """Whether the host has AVX-512F (the kernels' wider vectors)."""
+    return bool(host_features().get("avx512f"))
+
+
 def compile_module(ir_text, needs):
     """An execution engine holding ``ir_text`` compiled for this CPU (it
     owns the code: keep it alive while its functions are called), or None
