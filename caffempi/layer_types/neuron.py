@@ -14,6 +14,13 @@ from ..proto import caffe_pb2
 from .base import Layer, register
 
 
+def relu_gradient(xp, dy, y, out=None):
+    """dy where the ReLU's output ``y`` is positive, else zero: dy * (y > 0),
+    the bits of ReLU's own gradient (slope 0), which the layers that absorb
+    a ReLU (Layer.absorb) must reproduce."""
+    return xp.multiply(dy, y > 0, out=out)
+
+
 class _Neuron(Layer):
     """Shared plumbing.  Subclasses define ``compute(x) -> y`` (a new array)
     and ``gradient(x, y, dy) -> dx``; ``x`` is None in an in-place run of a
@@ -93,7 +100,7 @@ class ReLULayer(_Neuron):
     def gradient(self, x, y, dy):
         xp = self.xp
         if self.slope == 0:
-            return kernels.elementwise(xp, lambda dy, y, out: xp.multiply(dy, y > 0, out=out), dy, y)
+            return kernels.elementwise(xp, lambda dy, y, out: relu_gradient(xp, dy, y, out), dy, y)
         positive = (y > 0) if self.slope > 0 else (x > 0)
         return xp.where(positive, dy, dy * self.slope)
 

@@ -4,7 +4,7 @@ from ..backend import channels, kernels
 from ..common import TEST
 from ..proto import caffe_pb2
 from .base import Layer, register
-from .neuron import ReLULayer
+from .neuron import ReLULayer, relu_gradient
 from .scale import ScaleLayer
 
 
@@ -235,7 +235,7 @@ class BatchNormLayer(Layer):
             # the gradient reaching y in this block (through the max and the affine)
             g = dy[:, b]
             if out is not None:
-                g = xp.multiply(g, out[:, b] > 0)
+                g = relu_gradient(xp, g, out[:, b])
             if scale is not None:
                 if dbias is not None:
                     dbias[b] = kernels.sum_over(xp, g, (0, 2))

@@ -5,7 +5,7 @@ semantics)."""
 from ..backend import kernels
 from ..proto import caffe_pb2
 from .base import Layer, register
-from .neuron import ReLULayer
+from .neuron import ReLULayer, relu_gradient
 
 _ELTWISE = caffe_pb2.EltwiseParameter
 _REDUCTION = caffe_pb2.ReductionParameter
@@ -450,7 +450,7 @@ class EltwiseLayer(Layer):
 
         def fn(dy, y, out):
             outs = out if len(wanted) > 1 else (out,)
-            g = xp.multiply(dy, y > 0, out=outs[0])
+            g = relu_gradient(xp, dy, y, outs[0])
             for o, c in zip(outs[1:], coeffs[1:]):
                 if c == 1:
                     xp.copyto(o, g)
