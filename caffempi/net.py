@@ -431,7 +431,7 @@ class Net:
         self._chain_last, self._chain_first = {}, {}
         if not (config.settings.fuse and kernels.fuses_layers(self.xp)):
             return
-        recomputed = getattr(self.memory, "R", ())
+        recomputed = self.memory.R
         alone = [len(tops) == 1 and not self.loss_weights[i] and i not in recomputed
                  for i, tops in enumerate(self.top_vecs)]
         i = 0
