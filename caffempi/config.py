@@ -17,8 +17,8 @@ docs/configuration.md lists them for users.
 | CAFFEMPI_FTZ | ftz | True | the computing threads flush denormal floats to zero (x86) |
 | CAFFEMPI_DIRECT_CONV | direct_conv | True | CPU convolutions may use the compiled direct kernel (backend/direct.py) where it is the faster |
 | CAFFEMPI_COMPILED_POOLING | compiled_pooling | True | CPU MAX pooling uses the compiled kernels (backend/pooling.py) where they run |
-| CAFFEMPI_COMPILED_CHANNELS | compiled_channels | True | CPU BatchNorm and per-channel Scale passes use the compiled kernels (backend/channels.py) where they run |
-| CAFFEMPI_FUSE | fuse | True | CPU nets run BatchNorm → Scale → ReLU and Eltwise SUM → ReLU chains in place as one pass each way (Layer.absorb) |
+| CAFFEMPI_COMPILED_CHANNELS | compiled_channels | True | BatchNorm and per-channel Scale passes use the compiled kernels (backend/channels.py on the CPU, backend/gpu_channels.py on the GPU) where they run |
+| CAFFEMPI_FUSE | fuse | True | nets run BatchNorm → Scale → ReLU and Eltwise SUM → ReLU chains in place as one pass each way (Layer.absorb) |
 
 A value that cannot be read is a one-line CaffeError naming the variable
 (raised where the setting is first used, so the CLI reports it as any other

@@ -8,7 +8,7 @@ import numpy as np
 
 from . import config
 from . import layer_types  # noqa: F401  (registers every layer type)
-from .backend import default_array_module, kernels, to_numpy
+from .backend import default_array_module, to_numpy
 from .blob import Blob
 from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
@@ -429,7 +429,7 @@ class Net:
         says).  Not under the memory plan's recompute, which runs
         the layers one by one in backward."""
         self._chain_last, self._chain_first = {}, {}
-        if not (config.settings.fuse and kernels.fuses_layers(self.xp)):
+        if not config.settings.fuse:
             return
         recomputed = self.memory.R
         alone = [len(tops) == 1 and not self.loss_weights[i] and i not in recomputed
@@ -450,6 +450,14 @@ class Net:
                         and all(self.bottom_need_backward[j][0] for j in chain[1:]):
                     self._chain_first[i + taken] = i
             i += taken + 1
+
+    def fused_chains(self):
+        """The chains that run fused, as (first, last) layer indices: those
+        of forward, and those whose backward also runs as one (profilers
+        time each as one call: ``forward_range(first, last)``,
+        ``backward_range(first, last)``)."""
+        return (sorted(self._chain_last.items()),
+                sorted((first, last) for last, first in self._chain_first.items()))
 
     # ---------------------------------------------------------------- running
     def forward_range(self, start=0, end=None):

@@ -30,6 +30,11 @@ bits for BatchNorm's or Scale's own pass and for a chain of them fused
 and the max are NumPy's bits.  :func:`available` is False off x86-64,
 without llvmlite, for float64, or with ``CAFFEMPI_COMPILED_CHANNELS=0``;
 the layers then run their NumPy blocks.
+
+For CuPy arrays :func:`available`, :func:`forward` and :func:`backward`
+hand over to the CUDA kernels of :mod:`caffempi.backend.gpu_channels`
+(the same steps, sums in double, in at most three launches), so the
+layers call one interface on either backend.
 """
 import ctypes
 import functools
@@ -37,13 +42,10 @@ import functools
 import numpy as np
 
 from .. import config
-from . import llvm
+from . import cupy_or_none, llvm
+from .channel_steps import BATCH_STATS, GIVEN_STATS, NO_AFFINE, NO_STATS, SCALE, SCALE_BIAS
 
 _P, _I, _F = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
-# statistics: none (Scale's backward alone), the batch's (computed here), given (read)
-NO_STATS, BATCH_STATS, GIVEN_STATS = 0, 1, 2
-# affine: none, scale, scale and bias
-NO_AFFINE, SCALE, SCALE_BIAS = 0, 1, 2
 
 
 class _Channel:
@@ -209,11 +211,25 @@ def _kernel(kind, *variant):
 
 def available(*arrays):
     """Whether the compiled kernels run here (``CAFFEMPI_COMPILED_CHANNELS``,
-    default on) for these arrays: float32 NumPy arrays, C-contiguous."""
-    return (bool(config.settings.compiled_channels)
-            and all(isinstance(a, np.ndarray) and a.dtype == np.float32 and a.flags.c_contiguous
-                    for a in arrays)
+    default on) for these arrays: float32 NumPy arrays, C-contiguous, or
+    CuPy arrays as :func:`caffempi.backend.gpu_channels.available` says."""
+    if not config.settings.compiled_channels:
+        return False
+    if not all(isinstance(a, np.ndarray) for a in arrays):
+        return _on_device(arrays) and _device().available(*arrays)
+    return (all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
             and _kernel("backward", NO_STATS, SCALE, False, True) is not None)
+
+
+def _on_device(arrays):
+    cp = cupy_or_none()
+    return cp is not None and all(isinstance(a, cp.ndarray) for a in arrays)
+
+
+def _device():
+    """The GPU's kernels (imported with CuPy, on first use)."""
+    from . import gpu_channels
+    return gpu_channels
 
 
 def _address(a):
@@ -226,6 +242,8 @@ def forward(x, y, out, stats, mean, var, std, scale=None, bias=None, relu=False,
     not stored; not ``y``); ``stats``: BATCH_STATS or GIVEN_STATS; ``mean``,
     ``var``, ``std``: (C,) arrays, written with BATCH_STATS, read (mean,
     std) with GIVEN_STATS; ``scale``, ``bias``: (C,) or None."""
+    if not isinstance(x, np.ndarray):
+        return _device().forward(x, y, out, stats, mean, var, std, scale, bias, relu, eps, block)
     planes, channels, size = x.shape
     affine = NO_AFFINE if scale is None else SCALE if bias is None else SCALE_BIAS
     c0, c1, _ = block.indices(channels)
@@ -240,6 +258,8 @@ def backward(dy, y, dx, stats, std=None, scale=None, dscale=None, dbias=None, ou
     the normalised values with statistics); ``out``: the forward's output
     where it took the max, else None; ``dx``: written unless None;
     ``dscale`` (with ``scale``) and ``dbias``: (C,), written."""
+    if not isinstance(dy, np.ndarray):
+        return _device().backward(dy, y, dx, stats, std, scale, dscale, dbias, out, block)
     planes, channels, size = dy.shape
     affine = NO_AFFINE if scale is None else SCALE if dbias is None else SCALE_BIAS
     c0, c1, _ = block.indices(channels)

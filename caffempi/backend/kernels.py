@@ -130,14 +130,6 @@ def per_channel(xp, body, shape, dtype):
         body(slice(None))
 
 
-def fuses_layers(xp):
-    """Whether nets on ``xp`` run layer chains fused (``Layer.absorb``):
-    on the CPU, where such a chain's passes over memory are its cost; GPU
-    nets keep their layers apart until a device run has checked the fused
-    path against them (tests/gpu)."""
-    return xp is np
-
-
 def bias_grad(xp, dy):
     return _impl(xp, "bias_grad")(dy)
 
