@@ -1,4 +1,4 @@
-"""CuPy kernels for convolution, pooling and the LRN window sums.
+"""CuPy kernels for convolution, pooling and LRN.
 
 Same contracts as :mod:`caffempi.backend.cpu` (NCHW arrays, ``geom`` =
 ``(kh, kw, sh, sw, ph, pw, dh, dw)``).  Convolution is Caffe's GPU scheme:
@@ -307,6 +307,80 @@ _spatial_sum = cp.ElementwiseKernel(
         for (int q = q0; q < q1; ++q) acc += a[(plane * h + r) * w + q];
     s = acc;
     """, "caffempi_spatial_sum")
+
+
+# Caffe's LRN across channels, each direction one kernel (as separate passes
+# it was the squares, the window sums, four passes of the power and the
+# products: 12 ms of AlexNet's 55 ms step, docs/performance/gpu.md); the
+# same steps as kernels.lrn_forward / lrn_backward, in the same order.
+_NEGATIVE_POWER = """
+template <typename T> __device__ T caffempi_negative_power(T s, T beta) {
+    if (beta == (T)0.75) {          // 1 / sqrt(s * sqrt(s)), as kernels._negative_power
+        T r = sqrt(s);
+        r *= s;
+        return (T)1 / sqrt(r);
+    }
+    return pow(s, -beta);
+}
+"""
+
+_WINDOW_INDEX = """
+    const long long pix = i % hw;
+    const int ch = (i / hw) % c;
+    const long long img = i / ((long long)hw * c);
+    const int lo = max(ch - pre, 0), hi = min(ch - pre + size, c);
+"""
+
+_lrn_across_fwd = cp.ElementwiseKernel(
+    "raw T x, int32 c, int32 hw, int32 size, int32 pre, T alpha_over_size, T k, T beta", "T y, T scale",
+    _WINDOW_INDEX + """
+    T acc = 0;
+    for (int q = lo; q < hi; ++q) {
+        const T v = x[(img * c + q) * hw + pix];
+        acc += v * v;
+    }
+    acc *= alpha_over_size;
+    acc += k;
+    scale = acc;
+    y = caffempi_negative_power(acc, beta) * x[i];
+    """, "caffempi_lrn_across_fwd", preamble=_NEGATIVE_POWER)
+
+_lrn_across_bwd = cp.ElementwiseKernel(
+    "raw T x, raw T y, raw T scale, raw T dy, int32 c, int32 hw, int32 size, int32 pre, T neg_coef, T beta",
+    "T dx",
+    _WINDOW_INDEX + """
+    T acc = 0;
+    for (int q = lo; q < hi; ++q) {
+        const long long e = (img * c + q) * hw + pix;
+        T t = dy[e] * y[e];
+        t /= scale[e];
+        acc += t;
+    }
+    acc *= x[i];
+    acc *= neg_coef;
+    dx = acc + dy[i] * caffempi_negative_power(scale[i], beta);
+    """, "caffempi_lrn_across_bwd", preamble=_NEGATIVE_POWER)
+
+
+def lrn_across_forward(x, size, alpha, beta, k):
+    """(y, scale) of :func:`caffempi.backend.kernels.lrn_forward` across
+    channels, in one kernel."""
+    x = cp.ascontiguousarray(x)
+    t = x.dtype.type
+    y, scale = cp.empty_like(x), cp.empty_like(x)
+    _lrn_across_fwd(x, x.shape[1], x[0, 0].size, size, (size - 1) // 2, t(alpha / size), t(k), t(beta), y, scale)
+    return y, scale
+
+
+def lrn_across_backward(x, y, scale, dy, size, alpha, beta):
+    """dx of :func:`caffempi.backend.kernels.lrn_backward` across channels,
+    in one kernel."""
+    x, y, scale, dy = (cp.ascontiguousarray(a) for a in (x, y, scale, dy))
+    t = x.dtype.type
+    dx = cp.empty_like(x)
+    _lrn_across_bwd(x, y, scale, dy, x.shape[1], x[0, 0].size, size, size - 1 - (size - 1) // 2,
+                    t(-2.0 * alpha * beta / size), t(beta), dx)
+    return dx
 
 
 def channel_window_sum(a, size, pre):

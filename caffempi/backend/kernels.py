@@ -164,7 +164,11 @@ def _negative_power(xp, scale, beta):
 
 
 def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
-    """Returns (y, scale): y = x * scale**-beta with Caffe's scale."""
+    """Returns (y, scale): y = x * scale**-beta with Caffe's scale.  On the
+    GPU across channels these steps are one kernel
+    (:func:`caffempi.backend.gpu.lrn_across_forward`)."""
+    if across_channels and xp is not np:
+        return _impl(xp, "lrn_across_forward")(x, size, alpha, beta, k)
     pre = (size - 1) // 2
     sq = x * x
     if across_channels:
@@ -181,6 +185,9 @@ def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
 
 
 def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
+    """dx of :func:`lrn_forward` (one kernel on the GPU across channels)."""
+    if across_channels and xp is not np:
+        return _impl(xp, "lrn_across_backward")(x, y, scale, dy, size, alpha, beta)
     pre = (size - 1) // 2
     t = dy * y
     t /= scale

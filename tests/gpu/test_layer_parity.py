@@ -109,6 +109,7 @@ CASES = {
     "Input": [('type: "Input" input_param { shape { dim: 2 dim: 3 } }', [], {"num_top": 1})],
     "LRN": [('type: "LRN" lrn_param { local_size: 5 alpha: 0.0001 beta: 0.75 }', [rand(2, 7, 6, 6)], {}),
             ('type: "LRN" lrn_param { local_size: 3 alpha: 2 beta: 0.6 k: 2 }', [rand(2, 4, 3, 3)], {}),
+            ('type: "LRN" lrn_param { local_size: 5 alpha: 1.5 beta: 0.75 }', [rand(2, 9, 4, 5)], {}),
             ('type: "LRN" lrn_param { local_size: 3 alpha: 0.5 beta: 0.75 norm_region: WITHIN_CHANNEL }',
              [rand(2, 3, 5, 6)], {})],
     "LSTM": [(RECURRENT % ("LSTM", "false"), [rand(3, 2, 5), np.array([[0, 0], [1, 1], [1, 0.]])],
