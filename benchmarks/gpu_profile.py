@@ -17,7 +17,12 @@ passes over each layer's forward and backward (median over iterations):
   A call whose host time outlasts its spin waited for the device: it
   synchronizes the host, marked 'sync' (its gpu time then includes the
   host's time after the wait);
-- step: Solver.step(1) on the wall clock, synchronized once per step.
+- step: Solver.step(1) on the wall clock, synchronized once per step;
+  then its parts, net.forward_backward() and solver.apply_update(), each
+  synchronized.
+
+A chain the net runs fused (Net.fused_chains) is one call, shown on its
+first layer forward and on its last layer backward.
 
 With --cpu, or without CuPy and a device, the nets run on NumPy and the gpu
 pass prints 'gpu: skipped: no GPU'.
@@ -89,19 +94,40 @@ def build(key, zoo, xp, batch=None):
     return solver, batch
 
 
+def units(net):
+    """The calls a pass is timed in, (F|B, layer index), in the order a
+    training pass runs them: each layer alone, but a chain the net runs
+    fused (Net.fused_chains) as one call, on its first layer forward and on
+    its last layer backward, as ``caffempi time`` reports it: a dict
+    (kind, index) -> (first, last), in that order."""
+    forward, backward = (dict(chains) for chains in net.fused_chains())
+    ends = {last: first for first, last in backward.items()}
+    spans = {}
+    i = 0
+    while i < len(net.layers):
+        spans["F", i] = (i, forward.get(i, i))
+        i = spans["F", i][1] + 1
+    i = len(net.layers) - 1
+    while i >= 0:
+        spans["B", i] = (ends.get(i, i), i)
+        i = spans["B", i][0] - 1
+    return spans
+
+
 def profile(solver, iterations, timer=None):
     """{'calls': [(F|B, layer index)], 'host', 'gpu', 'sync': per call (ms,
     ms, bool; gpu None without a timer), 'eager_ms', 'step_ms'}.  ``timer``:
     a :class:`CudaTimer` (None on NumPy: the host pass and steps only)."""
     net = solver.net
-    n = len(net.layers)
-    calls = [("F", i) for i in range(n)] + [("B", i) for i in range(n - 1, -1, -1)]
+    spans = units(net)
+    calls = list(spans)
 
     def run(kind, i):
+        first, last = spans[kind, i]
         if kind == "F":
-            net.forward_range(i, i)
+            net.forward_range(first, last)
         else:
-            net.backward_range(i, i)
+            net.backward_range(first, last)
 
     def sync():
         if timer is not None:
@@ -151,6 +177,19 @@ def profile(solver, iterations, timer=None):
         sync()
         steps.append(time.perf_counter() - t)
     out["step_ms"] = float(np.median(steps)) * 1e3
+    passes, updates = [], []
+    for _ in range(iterations):
+        sync()
+        t = time.perf_counter()
+        net.clear_param_diffs()
+        net.forward_backward()
+        sync()
+        t1 = time.perf_counter()
+        solver.apply_update()
+        sync()
+        passes.append(t1 - t)
+        updates.append(time.perf_counter() - t1)
+    out["pass_ms"], out["update_ms"] = float(np.median(passes)) * 1e3, float(np.median(updates)) * 1e3
     return out
 
 
@@ -161,6 +200,8 @@ def report(name, batch, net, r, top=15):
     host = r["host"]
     print("\n== %s, batch %d: per-layer host and GPU ms (median of iterations; no sync per layer)" % (name, batch))
     print("step (Solver.step, synced once): %.2f ms = %.1f images/s" % (r["step_ms"], batch * 1e3 / r["step_ms"]))
+    print("step's parts, synced after each: forward_backward %.2f ms, apply_update %.2f ms"
+          % (r["pass_ms"], r["update_ms"]))
     print("forward+backward issued without sync: %.2f ms wall; host %.2f ms; gpu %s"
           % (r["eager_ms"], host.sum(),
              "%.2f ms (kernels back to back)" % gpu.sum() if has_gpu else "skipped: no GPU"))

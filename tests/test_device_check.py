@@ -129,6 +129,34 @@ def test_profile_gpu_pass_bookkeeping(capsys, monkeypatch):
     text = capsys.readouterr().out
     assert "host synchronizations (calls that outlasted their spin): none" in text
     assert "Convolution" in text and "skipped: no GPU" not in text
+    assert "forward_backward" in text and r["pass_ms"] > 0 and r["update_ms"] > 0
+
+
+def test_profile_times_a_fused_chain_as_one_call():
+    """ResNet's BatchNorm → Scale → ReLU: one forward call on the
+    BatchNorm, one backward call on the ReLU, the Scale's own calls gone;
+    every layer in one forward call."""
+    from google.protobuf import text_format
+    from caffempi.common import TRAIN
+    from caffempi.net import Net
+    from caffempi.proto import caffe_pb2
+    gp = load("gpu_profile")
+    text = """layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 4 dim: 4 } } }
+    layer { name: "c" type: "Convolution" bottom: "x" top: "c" convolution_param { num_output: 4 kernel_size: 1 } }
+    layer { name: "bn" type: "BatchNorm" bottom: "c" top: "c" }
+    layer { name: "sc" type: "Scale" bottom: "c" top: "c" }
+    layer { name: "r" type: "ReLU" bottom: "c" top: "c" }
+    layer { name: "ip" type: "InnerProduct" bottom: "c" top: "y" inner_product_param { num_output: 2 } }
+    layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "y" top: "l" }"""
+    net = Net(text_format.Merge(text, caffe_pb2.NetParameter()), TRAIN)
+    spans = gp.units(net)
+    bn, sc, relu = (net.layer_names.index(n) for n in ("bn", "sc", "r"))
+    assert spans["F", bn] == (bn, relu) and spans["B", relu] == (bn, relu)
+    assert ("F", sc) not in spans and ("B", sc) not in spans and ("B", bn) not in spans
+    forward = [i for kind, i in spans if kind == "F"]
+    assert forward == sorted(forward)
+    covered = [j for (kind, _), (a, b) in spans.items() if kind == "F" for j in range(a, b + 1)]
+    assert covered == list(range(len(net.layers)))
 
 
 def test_budget_skips_and_time_box_kills_the_group(tmp_path):
