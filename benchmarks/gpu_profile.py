@@ -114,6 +114,16 @@ def units(net):
     return spans
 
 
+def run_unit(net, kind, span):
+    """One call of :func:`units`: the forward or backward of layers
+    span = (first, last)."""
+    first, last = span
+    if kind == "F":
+        net.forward_range(first, last)
+    else:
+        net.backward_range(last, first)      # Caffe's order: from the last down
+
+
 def profile(solver, iterations, timer=None):
     """{'calls': [(F|B, layer index)], 'host', 'gpu', 'sync': per call (ms,
     ms, bool; gpu None without a timer), 'eager_ms', 'step_ms'}.  ``timer``:
@@ -123,11 +133,7 @@ def profile(solver, iterations, timer=None):
     calls = list(spans)
 
     def run(kind, i):
-        first, last = spans[kind, i]
-        if kind == "F":
-            net.forward_range(first, last)
-        else:
-            net.backward_range(first, last)
+        run_unit(net, kind, spans[kind, i])
 
     def sync():
         if timer is not None:

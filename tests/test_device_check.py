@@ -141,13 +141,14 @@ def test_profile_times_a_fused_chain_as_one_call():
     from caffempi.net import Net
     from caffempi.proto import caffe_pb2
     gp = load("gpu_profile")
-    text = """layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 dim: 4 dim: 4 } } }
+    text = """layer { name: "in" type: "Input" top: "x" top: "t"
+            input_param { shape { dim: 2 dim: 3 dim: 4 dim: 4 } shape { dim: 2 dim: 2 } } }
     layer { name: "c" type: "Convolution" bottom: "x" top: "c" convolution_param { num_output: 4 kernel_size: 1 } }
     layer { name: "bn" type: "BatchNorm" bottom: "c" top: "c" }
     layer { name: "sc" type: "Scale" bottom: "c" top: "c" }
     layer { name: "r" type: "ReLU" bottom: "c" top: "c" }
     layer { name: "ip" type: "InnerProduct" bottom: "c" top: "y" inner_product_param { num_output: 2 } }
-    layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "y" top: "l" }"""
+    layer { name: "loss" type: "EuclideanLoss" bottom: "y" bottom: "t" top: "l" }"""
     net = Net(text_format.Merge(text, caffe_pb2.NetParameter()), TRAIN)
     spans = gp.units(net)
     bn, sc, relu = (net.layer_names.index(n) for n in ("bn", "sc", "r"))
@@ -157,6 +158,20 @@ def test_profile_times_a_fused_chain_as_one_call():
     assert forward == sorted(forward)
     covered = [j for (kind, _), (a, b) in spans.items() if kind == "F" for j in range(a, b + 1)]
     assert covered == list(range(len(net.layers)))
+    # each unit runs its layers: the chain's backward gives the Scale its gradient
+    rs = np.random.RandomState(0)
+    for name in ("x", "t"):
+        net.blobs[name].data[...] = rs.randn(*net.blobs[name].shape)
+    for name in ("c", "ip"):
+        net.params[name][0].data[...] = rs.randn(*net.params[name][0].shape)
+    for kind, i in spans:
+        if kind == "F":
+            gp.run_unit(net, kind, spans[kind, i])
+    net.clear_param_diffs()
+    for kind, i in spans:                   # backward units: from the last layer down
+        if kind == "B" and i >= relu:
+            gp.run_unit(net, kind, spans[kind, i])
+    assert np.abs(net.params["sc"][0].diff).max() > 0
 
 
 def test_budget_skips_and_time_box_kills_the_group(tmp_path):
