@@ -236,20 +236,37 @@ def _address(a):
     return 0 if a is None else a.ctypes.data
 
 
-def forward(x, y, out, stats, mean, var, std, scale=None, bias=None, relu=False, eps=0.0, block=slice(None)):
+def forward(x, y, out, stats, mean, var, std, scale=None, bias=None, relu=False, eps=0.0, block=slice(None),
+            running=None):
     """The forward steps, as the module says, for the channels of ``block``
     (a slice of axis 1) of (planes, C, S) ``x``, ``y`` and ``out`` (None:
     not stored; not ``y``); ``stats``: BATCH_STATS or GIVEN_STATS; ``mean``,
     ``var``, ``std``: (C,) arrays, written with BATCH_STATS, read (mean,
-    std) with GIVEN_STATS; ``scale``, ``bias``: (C,) or None."""
+    std) with GIVEN_STATS; ``scale``, ``bias``: (C,) or None; ``running``:
+    with BATCH_STATS, the running sums to update (:func:`update_running`)
+    or None."""
     if not isinstance(x, np.ndarray):
-        return _device().forward(x, y, out, stats, mean, var, std, scale, bias, relu, eps, block)
+        return _device().forward(x, y, out, stats, mean, var, std, scale, bias, relu, eps, block, running)
     planes, channels, size = x.shape
     affine = NO_AFFINE if scale is None else SCALE if bias is None else SCALE_BIAS
     c0, c1, _ = block.indices(channels)
     _kernel("forward", stats, affine, bool(relu), out is not None)(
         x.ctypes.data, y.ctypes.data, _address(out), _address(mean), _address(var), _address(std),
         _address(scale), _address(bias), planes, channels, size, c0, c1, eps)
+    if running is not None:
+        update_running(running, mean, var, block)
+
+
+def update_running(running, mean, var, block):
+    """Caffe's moving averages of BatchNorm's statistics for the channels
+    of ``block``: sums = sums * maf + mean, squares = squares * maf +
+    correction * var, in place, for ``running`` = (sums, squares, maf,
+    correction) (float32 roundings as NumPy's, on either backend)."""
+    sums, squares, maf, correction = running
+    sums[block] *= maf
+    sums[block] += mean[block]
+    squares[block] *= maf
+    squares[block] += var[block] * correction
 
 
 def backward(dy, y, dx, stats, std=None, scale=None, dscale=None, dbias=None, out=None, block=slice(None)):

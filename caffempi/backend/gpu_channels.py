@@ -42,6 +42,7 @@ typedef %(type)s T;
 #define BIAS %(bias)d
 #define RELU %(relu)d
 #define STORE %(store)d      // forward: out stored; backward: dx written
+#define STORE_RUNNING %(running)d
 #define BATCH_STATS %(batch)d
 #define GIVEN_STATS %(given)d
 #define NO_STATS %(none)d
@@ -98,11 +99,12 @@ extern "C" __global__ void sums(const T* __restrict__ a, const T* __restrict__ b
     }
 }
 
-// forward: mean, var, std; backward: dbias = sum(g), dscale = sum(g y), and
+// forward: mean, var, std (and the running sums, Caffe's moving averages); backward: dbias = sum(g), dscale = sum(g y), and
 // with batch statistics coef = (mean(g' y), mean(g')) for g' = g * scale
 extern "C" __global__ void finish(const double* __restrict__ part, int chunks, int channels, double count,
                                   T eps, const T* __restrict__ scale, T* __restrict__ first,
-                                  T* __restrict__ second, T* __restrict__ third) {
+                                  T* __restrict__ second, T* __restrict__ third,
+                                  T* __restrict__ run_mean, T* __restrict__ run_var, T maf, T correction) {
     const int c = blockIdx.x * blockDim.x + threadIdx.x;
     if (c >= channels) return;
     double t0 = 0, t1 = 0;
@@ -117,6 +119,10 @@ extern "C" __global__ void finish(const double* __restrict__ part, int chunks, i
     first[c] = (T)mean;
     second[c] = (T)var;
     third[c] = sqrt((T)var + eps);
+#if STORE_RUNNING
+    run_mean[c] = run_mean[c] * maf + (T)mean;
+    run_var[c] = run_var[c] * maf + correction * (T)var;
+#endif
 #else
 #if AFFINE
     second[c] = (T)t1;
@@ -198,12 +204,12 @@ extern "C" __global__ void apply(const T* __restrict__ a, const T* __restrict__ 
 
 
 @functools.lru_cache(maxsize=None)
-def _kernels(dtype, forward, stats, affine, bias, relu, store):
+def _kernels(dtype, forward, stats, affine, bias, relu, store, running=False):
     """The kernels (sums, finish, apply) of one variant, compiled by NVRTC
     on first use (then from CuPy's cache on disk)."""
     code = _SOURCE % dict(type="float" if dtype == np.float32 else "double", threads=_THREADS,
                           forward=int(forward), stats=stats, affine=int(affine), bias=int(bias),
-                          relu=int(relu), store=int(store), batch=BATCH_STATS, given=GIVEN_STATS, none=NO_STATS)
+                          relu=int(relu), store=int(store), running=int(running), batch=BATCH_STATS, given=GIVEN_STATS, none=NO_STATS)
     module = cp.RawModule(code=code, options=("--fmad=false",))
     return tuple(module.get_function(name) for name in ("sums", "finish", "apply"))
 
@@ -235,11 +241,12 @@ def _sums(kernels, a, b, mask, planes, channels, size):
     return part, chunks
 
 
-def _finish(kernels, part, chunks, channels, count, eps, scale, first, second, third, dtype):
+def _finish(kernels, part, chunks, channels, count, eps, scale, first, second, third, dtype, running=None):
+    sums, squares, maf, correction = running or (first, first, 0.0, 0.0)
     threads = min(256, channels)
     kernels[1]((-(-channels // threads),), (threads,),
-                                  (part, np.int32(chunks), np.int32(channels), np.float64(count),
-                                   dtype.type(eps), scale, first, second, third))
+               (part, np.int32(chunks), np.int32(channels), np.float64(count), dtype.type(eps), scale,
+                first, second, third, sums, squares, dtype.type(maf), dtype.type(correction)))
 
 
 def _apply(kernels, planes, channels, size, args):
@@ -248,15 +255,18 @@ def _apply(kernels, planes, channels, size, args):
                                  args + (np.int32(channels), np.int64(size)))
 
 
-def forward(x, y, out, stats, mean, var, std, scale=None, bias=None, relu=False, eps=0.0, block=slice(None)):
+def forward(x, y, out, stats, mean, var, std, scale=None, bias=None, relu=False, eps=0.0, block=slice(None),
+            running=None):
     """:func:`caffempi.backend.channels.forward` for CuPy arrays, over all
-    channels (``block`` is the whole axis on the GPU)."""
+    channels (``block`` is the whole axis on the GPU); the running sums
+    updated in the kernel that finishes the statistics."""
     planes, channels, size = x.shape
     dtype = x.dtype
-    kernels = _kernels(dtype.type, True, stats, scale is not None, bias is not None, bool(relu), out is not None)
+    kernels = _kernels(dtype.type, True, stats, scale is not None, bias is not None, bool(relu), out is not None,
+                       running is not None)
     if stats == BATCH_STATS:
         part, chunks = _sums(kernels, x, x, x, planes, channels, size)
-        _finish(kernels, part, chunks, channels, planes * size, eps, mean, mean, var, std, dtype)
+        _finish(kernels, part, chunks, channels, planes * size, eps, mean, mean, var, std, dtype, running)
     # unused pointers are x: the variant's code never reads or writes them
     _apply(kernels, planes, channels, size,
            (x, x, x, y, x if out is None else out, mean, std,

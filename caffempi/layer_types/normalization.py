@@ -143,27 +143,27 @@ class BatchNormLayer(Layer):
         out = y if top[0].bound and not affine and not relu else xp.empty(x.shape, self.dtype)
         scale = affine[0].data.reshape(-1) if affine else None
         bias = affine[1].data.reshape(-1) if affine and affine[1] is not None else None
-        if channels.available(*(a for a in (x, y, out, mean, std, scale, bias) if a is not None)):
+        running = None
+        if not self.use_global_stats:
+            # Caffe's moving averages, updated where the statistics are made
+            m = x.size // self.channels
+            running = (self.blobs[0].data, self.blobs[1].data, self.maf, m / (m - 1.0) if m > 1 else 1.0)
+            self.blobs[2].data = self.blobs[2].data * self.maf + 1
+        if channels.available(*(a for a in (x, y, out, mean, std, scale, bias) + (running or ())[:2]
+                                if a is not None)):
             stats = channels.GIVEN_STATS if self.use_global_stats else channels.BATCH_STATS
             stored = None if out is y else out
 
             def block(b):
-                channels.forward(x, y, stored, stats, mean, var, std, scale, bias, relu, self.eps, b)
+                channels.forward(x, y, stored, stats, mean, var, std, scale, bias, relu, self.eps, b, running)
         else:
-            block = self._numpy_forward_block(x, y, out, mean, var, std, scale, bias, relu)
+            block = self._numpy_forward_block(x, y, out, mean, var, std, scale, bias, relu, running)
         kernels.per_channel(xp, block, x.shape, self.dtype)
-        if not self.use_global_stats:
-            m = x.size // self.channels
-            correction = m / (m - 1.0) if m > 1 else 1.0
-            maf = self.maf
-            self.blobs[2].data = self.blobs[2].data * maf + 1
-            self.blobs[0].data = self.blobs[0].data * maf + mean
-            self.blobs[1].data = self.blobs[1].data * maf + correction * var
         self._std = std
         self._y = y
         top[0].data = out.reshape(bottom[0].shape)
 
-    def _numpy_forward_block(self, x, y, out, mean, var, std, scale, bias, relu):
+    def _numpy_forward_block(self, x, y, out, mean, var, std, scale, bias, relu, running):
         """The forward of a block of channels as NumPy calls (float64, or
         where the compiled kernels do not run)."""
         xp = self.xp
@@ -189,6 +189,8 @@ class BatchNormLayer(Layer):
                 ob[...] = yb
             if relu:
                 xp.maximum(ob, 0, out=ob)
+            if running is not None:
+                channels.update_running(running, mean, var, b)
         return block
 
     def backward(self, top, propagate_down, bottom):

@@ -77,13 +77,16 @@ def test_forward_kernels_match_float64(cupy, shape, dtype):
         d = lambda a: None if a is None else cupy.asarray(a, dtype)
         gx = d(x)
         y, out = cupy.full(shape, cupy.nan, dtype), cupy.full(shape, cupy.nan, dtype)
+        running = None
         if stats == channels.BATCH_STATS:
             mean, var, std = (cupy.full(c, cupy.nan, dtype) for _ in range(3))
+            sums, squares = rs.randn(c), np.abs(rs.randn(c))
+            running = (d(sums), d(squares), 0.9, 1.25)
         else:
             mean, var, std = d(given_mean), None, d(given_std)
         stored = out if affine or relu else None
         assert channels.available(*(a for a in (gx, y, out, mean, std, d(sc), d(bi)) if a is not None))
-        channels.forward(gx, y, stored, stats, mean, var, std, d(sc), d(bi), relu, 1e-5)
+        channels.forward(gx, y, stored, stats, mean, var, std, d(sc), d(bi), relu, 1e-5, running=running)
         what = "stats %d affine %d relu %d" % (stats, affine, relu)
         close(y, want_y, what + " y", rtol)
         if stored is not None:
@@ -92,6 +95,8 @@ def test_forward_kernels_match_float64(cupy, shape, dtype):
             close(mean, want_mean, what + " mean", rtol)
             close(var, want_var, what + " var", rtol)
             close(std, want_std, what + " std", rtol)
+            close(running[0], sums * 0.9 + want_mean, what + " running mean sum", rtol)
+            close(running[1], squares * 0.9 + 1.25 * want_var, what + " running variance sum", rtol)
 
 
 @pytest.mark.parametrize("shape", SHAPES)
