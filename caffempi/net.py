@@ -9,6 +9,7 @@ import numpy as np
 from . import config
 from . import layer_types  # noqa: F401  (registers every layer type)
 from .backend import default_array_module, to_numpy
+from .backend.reads import defers_reads, read_later
 from .blob import Blob
 from .common import CaffeError, TRAIN, TEST, get_rng_state, log, set_rng_state
 from .io import proto_io
@@ -126,6 +127,25 @@ def reshape_layer(layer, bottoms, tops):
             layer.name, layer.type, e, [b.shape for b in bottoms]))
 
 
+class PendingLoss:
+    """A pass's loss and the layers' deferred checks (Layer.check_values),
+    read from the device together (backend/reads.py); :meth:`result` runs
+    the checks, which raise the layer's error for bad values, and returns
+    the loss as a float."""
+
+    def __init__(self, loss, checks, xp):
+        self._checks = checks
+        self._loss = loss if isinstance(loss, float) else None
+        arrays = ([] if self._loss is not None else [loss]) + [values for values, _ in checks]
+        self._read = read_later(xp, arrays) if arrays else None
+
+    def result(self):
+        hosts = self._read.result() if self._read is not None else []
+        for (_, check), host in zip(self._checks, hosts[len(hosts) - len(self._checks):]):
+            check(host)
+        return self._loss if self._loss is not None else float(hosts[0])
+
+
 class Net:
     """A network of layers built from a NetParameter for one phase and state.
 
@@ -193,6 +213,9 @@ class Net:
         if self.memory.active:
             self.memory.free_all()
         self._init_chains()
+        if defers_reads(self.xp):
+            for layer in self.layers:       # their value checks wait for the loss's read
+                layer.deferred_checks = []
         if weights:
             for w in str(weights).split(","):
                 self.copy_from(w)
@@ -455,16 +478,20 @@ class Net:
         """The chains that run fused, as (first, last) layer indices: those
         of forward, and those whose backward also runs as one (profilers
         time each as one call: ``forward_range(first, last)``,
-        ``backward_range(first, last)``)."""
+        ``backward_range(last, first)``)."""
         return (sorted(self._chain_last.items()),
                 sorted((first, last) for last, first in self._chain_first.items()))
 
     # ---------------------------------------------------------------- running
-    def forward_range(self, start=0, end=None):
+    def forward_range(self, start=0, end=None, read=True):
         """Forward layers start..end (inclusive); returns the weighted loss
         (under batch shares, each loss also times its ``share_scale``: this
-        rank's part of the mean over the ranks, as in backward)."""
+        rank's part of the mean over the ranks, as in backward), and runs
+        the layers' deferred checks.  ``read=False`` on the GPU: the loss
+        as a float64 device scalar (the same bits as the float), the
+        checks left to the caller (:meth:`forward_backward`)."""
         end = len(self.layers) - 1 if end is None else end
+        deferred = not read and defers_reads(self.xp)
         if start == 0:               # a pass that reads a batch: announced shares take effect now
             while self.next_batch_shares and self.next_batch_shares[0][0] <= self._passes:
                 self._apply_batch_shares(self.next_batch_shares.pop(0)[1])
@@ -488,12 +515,25 @@ class Net:
                 else:
                     layer.forward(self.bottom_vecs[i], self.top_vecs[i])
             for j, w in self.loss_weights[i]:
-                loss += w * self._loss_share_scales.get(i, 1.0) * float(self.top_vecs[i][j].data.sum())
+                total = self.top_vecs[i][j].data.sum()
+                loss += w * self._loss_share_scales.get(i, 1.0) * (
+                    total.astype(np.float64) if deferred else float(total))
             if mm:
                 mm.after_forward(i)
             for hook in after:
                 hook(i)
+        if not deferred:
+            PendingLoss(loss, self._take_checks(), self.xp).result()
         return loss
+
+    def _take_checks(self):
+        """The (values, check) the layers deferred (Layer.check_values), taken."""
+        checks = []
+        for layer in self.layers:
+            if layer.deferred_checks:
+                checks += layer.deferred_checks
+                layer.deferred_checks.clear()
+        return checks
 
     def backward_range(self, start=None, end=0):
         """Backward layers start..end (start >= end), calling the hooks
@@ -720,9 +760,17 @@ class Net:
 
     _set_input_arrays = set_input_arrays
 
-    def forward_backward(self):
-        """One training pass; returns the loss.  Param diffs accumulate."""
-        loss = self.forward_range()
+    def forward_backward(self, pending=False):
+        """One training pass; returns the loss.  Param diffs accumulate.
+        With ``pending``, a :class:`PendingLoss` of it instead, whose host
+        read on the GPU is queued after forward and waited for only at
+        ``result()``, so the host issues backward (and a solver its update
+        and next pass) while the device works."""
+        if not pending:
+            loss = self.forward_range()
+            self.backward_range()
+            return loss
+        loss = PendingLoss(self.forward_range(read=False), self._take_checks(), self.xp)
         self.backward_range()
         return loss
 

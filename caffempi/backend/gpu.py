@@ -426,6 +426,20 @@ def empty_pinned(shape, dtype):
     return cupyx.empty_pinned(shape, dtype)
 
 
+def copies_to_host(arrays):
+    """(host arrays, event): each array's copy into pinned memory queued
+    on the current stream without waiting, then an event recorded after
+    them (backend/reads.py)."""
+    stream = cp.cuda.get_current_stream()
+    hosts = []
+    for a in arrays:
+        a = cp.ascontiguousarray(a)
+        host = empty_pinned(a.shape, a.dtype)
+        cp.asnumpy(a, stream=stream, out=host, blocking=False)
+        hosts.append(host)
+    return hosts, stream.record()
+
+
 class BatchUploader:
     """Host batches to the device one batch ahead, on a side stream.
 

@@ -168,7 +168,8 @@ def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
     GPU across channels these steps are one kernel
     (:func:`caffempi.backend.gpu.lrn_across_forward`)."""
     if across_channels and xp is not np:
-        return _impl(xp, "lrn_across_forward")(x, size, alpha, beta, k)
+        from . import gpu       # GPU only: the CPU runs the steps below
+        return gpu.lrn_across_forward(x, size, alpha, beta, k)
     pre = (size - 1) // 2
     sq = x * x
     if across_channels:
@@ -187,7 +188,8 @@ def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
 def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
     """dx of :func:`lrn_forward` (one kernel on the GPU across channels)."""
     if across_channels and xp is not np:
-        return _impl(xp, "lrn_across_backward")(x, y, scale, dy, size, alpha, beta)
+        from . import gpu       # GPU only: the CPU runs the steps below
+        return gpu.lrn_across_backward(x, y, scale, dy, size, alpha, beta)
     pre = (size - 1) // 2
     t = dy * y
     t /= scale

@@ -1,6 +1,7 @@
 """Layer base class and the registry of layer types (Caffe's layer factory)."""
 import numpy as np
 
+from ..backend import to_numpy
 from ..blob import Blob
 from ..common import CaffeError, TRAIN
 
@@ -87,6 +88,7 @@ class Layer:
         self.xp = xp
         self.dtype = np.dtype(dtype)
         self.blobs = []
+        self.deferred_checks = None     # a list where checks wait for the net's read (check_values)
 
     # -------------------------------------------------------------- interface
     def setup(self, bottom, top):
@@ -186,6 +188,17 @@ class Layer:
     # ----------------------------------------------------------------- helpers
     def new_blob(self, shape):
         return Blob(shape, self.xp, self.dtype)
+
+    def check_values(self, values, check):
+        """``check(host copy of values)``, which raises this layer's error
+        for bad values: at once, or, where ``deferred_checks`` is a list (a
+        net on the GPU), when the net reads the pass's loss, before any
+        update (Net.forward_backward): a host read inside forward would
+        stall the device's queue (backend/reads.py)."""
+        if self.deferred_checks is None:
+            check(to_numpy(values))
+        else:
+            self.deferred_checks.append((values, check))
 
     def error(self, msg, *args):
         return CaffeError(("layer '%s' (%s): " % (self.name, self.type)) + (msg % args if args else msg))

@@ -14,7 +14,6 @@ ignore_label), which no weight makes exact.
 """
 import numpy as np
 
-from ..backend import to_numpy
 from ..proto import caffe_pb2
 from .base import Layer, register
 from .softmax import softmax
@@ -46,7 +45,9 @@ def _class_labels(layer, data, num_classes, ignore_label):
     """Integer class labels (C++ int cast: truncation toward zero) and the
     valid mask (None when there is no ignore_label).  Ignored entries are
     replaced by class 0 so they can be used as indices; the caller masks them.
-    One min/max reduction checks the range on the host."""
+    One min/max reduction checks the range (Layer.check_values: at once, or
+    in a net on the GPU when it reads the loss, the labels clipped to the
+    classes meanwhile, so a bad one reads no memory outside them)."""
     xp = layer.xp
     lab = data.astype(np.int64)
     valid = None
@@ -54,12 +55,16 @@ def _class_labels(layer, data, num_classes, ignore_label):
         valid = lab != ignore_label
         lab = xp.where(valid, lab, 0)
     if lab.size:
-        lo, hi = (int(v) for v in to_numpy(xp.stack([lab.min(), lab.max()])))
-        if lo < 0 or hi >= num_classes:
-            raise layer.error("label value %d is outside [0, %d): the bottom has %d classes%s",
-                              lo if lo < 0 else hi, num_classes, num_classes,
-                              "" if ignore_label is None else
-                              " (ignore_label is %d)" % ignore_label)
+        def check(lo_hi):
+            lo, hi = (int(v) for v in lo_hi)
+            if lo < 0 or hi >= num_classes:
+                raise layer.error("label value %d is outside [0, %d): the bottom has %d classes%s",
+                                  lo if lo < 0 else hi, num_classes, num_classes,
+                                  "" if ignore_label is None else
+                                  " (ignore_label is %d)" % ignore_label)
+        layer.check_values(xp.stack([lab.min(), lab.max()]), check)
+        if layer.deferred_checks is not None:
+            lab = xp.clip(lab, 0, num_classes - 1)
     return lab, valid
 
 

@@ -558,13 +558,16 @@ class Solver:
             for on_start, _ in self.callbacks:
                 on_start()
             display = p.display and self.iter % p.display == 0
-            loss = 0.0
             sync.start_iteration(net, iter_size)
+            passes = []
             for i in range(iter_size):
                 sync.before_pass(net, i, i == iter_size - 1)
                 # the strategy's sums progress between the kernels' chunks
                 with threads.progress(sync.progress):
-                    loss += net.forward_backward()
+                    passes.append(net.forward_backward(pending=True))
+            loss = 0.0
+            for pending in passes:      # read once backward is issued (Net.PendingLoss)
+                loss += pending.result()
             loss /= iter_size
             # finish first: no allreduce is left pending if the ranks stop here
             sync.finish(net)

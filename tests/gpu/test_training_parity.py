@@ -66,3 +66,20 @@ def test_lenet_20_iterations_match_cpu(cupy, tmp_path):
     assert cpu_loss[-1] < 0.8 * cpu_loss[0]          # it learned something
     np.testing.assert_allclose(gpu_loss, cpu_loss, rtol=1e-4, atol=1e-5)
     assert np.abs(gpu_w - cpu_w).max() <= 2e-4 * np.abs(cpu_w).max()
+
+
+def test_a_bad_label_stops_the_gpu_step_before_the_update(cupy, tmp_path):
+    """The label check waits for the loss's read (after backward is
+    issued) on the GPU; it still stops the step before the update, with
+    the layer's error."""
+    from caffempi.common import CaffeError
+    path = tmp_path / "bad"
+    with lmdb_io.LMDBWriter(str(path)) as w:
+        for i in range(64):
+            im = np.full((1, 28, 28), i, np.uint8)
+            w.put("%08d" % i, array_to_datum(im, 12 if i == 5 else i % 10).SerializeToString())
+    solver = lenet_solver(str(path), cupy, tmp_path)
+    before = to_numpy(solver.net.param_data).copy()
+    with pytest.raises(CaffeError, match=r"label value 12 is outside \[0, 10\)"):
+        solver.step(1)
+    assert np.array_equal(to_numpy(solver.net.param_data), before)
