@@ -50,6 +50,8 @@ _DETERMINISTIC = 1
 # three directions take their arguments in the same order: two inputs, then
 # the convolution descriptor, then the output.
 _DIRECTIONS = {"fwd": "Forward", "bwd_data": "BackwardData", "bwd_filter": "BackwardFilter"}
+# The tensors each direction's call takes: its two inputs, then its output.
+_ROLES = {"fwd": ("x", "w", "y"), "bwd_data": ("w", "y", "x"), "bwd_filter": ("x", "y", "w")}
 
 
 class _Perf(ctypes.Structure):
@@ -68,6 +70,7 @@ _SIGNATURES = {      # name: (restype, argtypes); cudnnStatus_t and enums are in
     "cudnnSetStream": (_I, [_P, _P]),
     "cudnnCreateTensorDescriptor": (_I, [_PP]),
     "cudnnSetTensor4dDescriptor": (_I, [_P, _I, _I, _I, _I, _I, _I]),   # format, type, n, c, h, w
+    "cudnnSetTensor4dDescriptorEx": (_I, [_P, _I] + [_I] * 8),        # type, n, c, h, w, their strides
     "cudnnDestroyTensorDescriptor": (_I, [_P]),
     "cudnnCreateFilterDescriptor": (_I, [_PP]),
     "cudnnSetFilter4dDescriptor": (_I, [_P, _I, _I, _I, _I, _I, _I]),   # type, format, k, c, h, w
@@ -194,8 +197,13 @@ def _ptr(a):
 
 class _Plan:
     """Descriptors for one (x shape, w shape, geom, group, dtype, math mode,
-    determinism) and the algorithm chosen for each direction.  Destroyed only
-    when evicted."""
+    determinism) and, per direction, the algorithm chosen and the number of
+    calls it takes: one for the whole (grouped) convolution, or, for
+    ``group`` > 1, one per group on that group's slices of x, w and y, as
+    Caffe's own cuDNN layer runs them.  Both are timed and the faster kept:
+    cuDNN's grouped kernels ran AlexNet's conv4 (2 groups) 3 times slower
+    per FLOP than its conv3 (H200, docs/performance/gpu.md).  Destroyed
+    only when evicted."""
 
     def __init__(self, x_shape, w_shape, geom, group, dtype, math, deterministic):
         kh, kw, sh, sw, ph, pw, dh, dw = geom
@@ -204,27 +212,36 @@ class _Plan:
         self.math = math
         self.deterministic = deterministic
         self.scalars = _SCALARS[dtype]
-        self.algo = {}            # direction -> (algo, workspace bytes)
+        self.algo = {}            # direction -> (calls, algo, workspace bytes)
+        self.desc, self.conv, self.step = {}, {}, {}     # per number of calls
         self._owned = []
         try:
-            self.x = self._tensor(x_shape, dt)
-            self.y = self._tensor(self.y_shape, dt)
-            self.w = self._new("Filter")
-            _call("cudnnSetFilter4dDescriptor", self.w, dt, _TENSOR_NCHW, *w_shape)
-            # One convolution descriptor per direction: each is given the math
-            # type its chosen algorithm was timed with.
-            self.conv = {}
-            for d in _DIRECTIONS:
-                cd = self.conv[d] = self._new("Convolution")
-                _call("cudnnSetConvolution2dDescriptor", cd, ph, pw, sh, sw, dh, dw, _CROSS_CORRELATION, dt)
-                _call("cudnnSetConvolutionGroupCount", cd, group)
-                _call("cudnnSetConvolutionMathType", cd, math)
-            # Caffe's output size and cuDNN's must agree, or the descriptors are wrong.
-            dims = [ctypes.c_int() for _ in range(4)]
-            _call("cudnnGetConvolution2dForwardOutputDim", self.conv["fwd"], self.x, self.w,
-                  *[ctypes.byref(v) for v in dims])
-            if tuple(v.value for v in dims) != self.y_shape:
-                raise RuntimeError("cuDNN output shape %s != %s" % ([v.value for v in dims], self.y_shape))
+            ways = [(1, x_shape, w_shape, self.y_shape, group)]
+            if group > 1:
+                (n, c, h, wd), o = x_shape, w_shape[0]
+                ways.append((group, (n, c // group, h, wd), (o // group,) + tuple(w_shape[1:]),
+                             (n, o // group) + self.y_shape[2:], 1))
+            itemsize = 8 if dtype == "float64" else 4
+            for calls, xs, ws, ys, groups in ways:
+                self.desc[calls] = {"x": self._tensor(xs, x_shape, dt), "y": self._tensor(ys, self.y_shape, dt),
+                                    "w": self._new("Filter")}
+                _call("cudnnSetFilter4dDescriptor", self.desc[calls]["w"], dt, _TENSOR_NCHW, *ws)
+                self.step[calls] = {"x": _count(xs[1:]) * itemsize, "y": _count(ys[1:]) * itemsize,
+                                    "w": _count(ws) * itemsize}
+                # One convolution descriptor per direction: each is given the
+                # math type its chosen algorithm was timed with.
+                self.conv[calls] = {}
+                for d in _DIRECTIONS:
+                    cd = self.conv[calls][d] = self._new("Convolution")
+                    _call("cudnnSetConvolution2dDescriptor", cd, ph, pw, sh, sw, dh, dw, _CROSS_CORRELATION, dt)
+                    _call("cudnnSetConvolutionGroupCount", cd, groups)
+                    _call("cudnnSetConvolutionMathType", cd, math)
+                # Caffe's output size and cuDNN's must agree, or the descriptors are wrong.
+                dims = [ctypes.c_int() for _ in range(4)]
+                _call("cudnnGetConvolution2dForwardOutputDim", self.conv[calls]["fwd"], self.desc[calls]["x"],
+                      self.desc[calls]["w"], *[ctypes.byref(v) for v in dims])
+                if tuple(v.value for v in dims) != tuple(ys):
+                    raise RuntimeError("cuDNN output shape %s != %s" % ([v.value for v in dims], ys))
         except Exception:
             self.destroy()
             raise
@@ -235,9 +252,12 @@ class _Plan:
         self._owned.append((kind, p.value))
         return p.value
 
-    def _tensor(self, shape, dt):
+    def _tensor(self, shape, whole, dt):
+        """A descriptor of ``shape``, the leading channels of a C-contiguous
+        tensor of shape ``whole``."""
         t = self._new("Tensor")
-        _call("cudnnSetTensor4dDescriptor", t, _TENSOR_NCHW, dt, *shape)
+        n, c, h, w = whole
+        _call("cudnnSetTensor4dDescriptorEx", t, dt, *shape, c * h * w, h * w, w, 1)
         return t
 
     def destroy(self):
@@ -245,31 +265,61 @@ class _Plan:
             getattr(_lib, "cudnnDestroy%sDescriptor" % kind)(p)
         self._owned = []
 
-    def run(self, cp, d, a_desc, a, b_desc, b, out_desc, out):
-        """out = conv_d(a, b) with this direction's algorithm (found on first use)."""
+    def run(self, cp, d, arrays):
+        """The direction's output (``arrays[role]``, roles x, w, y) from its
+        inputs, with its algorithm (found on first use)."""
         h = _handle(cp)
         if d not in self.algo:
-            self._choose(cp, h, d, a_desc, a, b_desc, b, out_desc, out)
-        algo, nbytes = self.algo[d]
+            self._choose(cp, h, d, arrays)
+        calls, algo, nbytes = self.algo[d]
         ws = _workspace(cp, nbytes)
         one, zero = self.scalars
-        _call("cudnnConvolution" + _DIRECTIONS[d], h, ctypes.byref(one), a_desc, _ptr(a), b_desc, _ptr(b),
-              self.conv[d], algo, _ptr(ws), nbytes, ctypes.byref(zero), out_desc, _ptr(out))
+        desc, step = self.desc[calls], self.step[calls]
+        for g in range(calls):
+            (a_desc, a), (b_desc, b), (out_desc, out) = (
+                (desc[r], _ptr(arrays[r]) + g * step[r]) for r in _ROLES[d])
+            _call("cudnnConvolution" + _DIRECTIONS[d], h, ctypes.byref(one), a_desc, a, b_desc, b,
+                  self.conv[calls][d], algo, _ptr(ws), nbytes, ctypes.byref(zero), out_desc, out)
 
-    def _ws_size(self, h, d, a_desc, b_desc, out_desc, algo):
+    def _ws_size(self, h, d, calls, algo):
         size = ctypes.c_size_t()
+        a_desc, b_desc, out_desc = (self.desc[calls][r] for r in _ROLES[d])
         status = getattr(_lib, "cudnnGetConvolution%sWorkspaceSize" % _DIRECTIONS[d])(
-            h, a_desc, b_desc, self.conv[d], out_desc, algo, ctypes.byref(size))
+            h, a_desc, b_desc, self.conv[calls][d], out_desc, algo, ctypes.byref(size))
         return size.value if status == _SUCCESS else None
 
-    def _choose(self, cp, h, d, a_desc, a, b_desc, b, out_desc, out):
+    def _choose(self, cp, h, d, arrays):
+        """Times each way of running the direction (:meth:`_find`) and keeps
+        the fastest: (calls, algo, workspace bytes)."""
+        best = None
+        for calls in sorted(self.desc):
+            try:
+                found = self._find(cp, h, d, calls, arrays)
+            except RuntimeError:
+                if calls == 1:
+                    raise
+                found = None            # a call per group is only ever an alternative
+            if found is not None and (best is None or found[0] * calls < best[0] * best[1]):
+                best = (found[0], calls) + found[1:]
+        if best is None:
+            raise RuntimeError("cuDNN found no usable %s algorithm (deterministic=%s)"
+                               % (_DIRECTIONS[d], self.deterministic))
+        _, calls, algo, math_type, nbytes = best
+        if self.math != _FMA_MATH:          # run it with the math type it was timed with
+            _call("cudnnSetConvolutionMathType", self.conv[calls][d], math_type)
+        self.algo[d] = (calls, algo, nbytes)
+
+    def _find(self, cp, h, d, calls, arrays):
+        """cuDNN's timing of every algorithm for one call of this way (the
+        first group's slices where ``calls`` > 1): (ms, algo, math type,
+        workspace bytes) of the fastest usable one, or None."""
         global find_calls
         x = _DIRECTIONS[d]
         count = ctypes.c_int()
         _call("cudnnGetConvolution%sAlgorithmMaxCount" % x, h, ctypes.byref(count))
         # Search workspace: the most any algorithm asks for, up to the cap
         # (unsupported algorithms answer with an error status: skipped).
-        sizes = [self._ws_size(h, d, a_desc, b_desc, out_desc, i) for i in range(count.value)]
+        sizes = [self._ws_size(h, d, calls, i) for i in range(count.value)]
         ws_bytes = max([s for s in sizes if s is not None and s <= WORKSPACE_CAP] or [0])
         try:
             ws = _workspace(cp, ws_bytes)
@@ -278,9 +328,10 @@ class _Plan:
         perf = (_Perf * count.value)()
         got = ctypes.c_int()
         # The Ex form takes our buffers and workspace (the plain one would
-        # cudaMalloc behind CuPy's pool); it scribbles on `out`, rewritten after.
-        _call("cudnnFindConvolution%sAlgorithmEx" % x, h, a_desc, _ptr(a), b_desc, _ptr(b), self.conv[d],
-              out_desc, _ptr(out), count.value, ctypes.byref(got), perf, _ptr(ws), ws_bytes)
+        # cudaMalloc behind CuPy's pool); it scribbles on the output, rewritten after.
+        (a_desc, a), (b_desc, b), (out_desc, out) = ((self.desc[calls][r], _ptr(arrays[r])) for r in _ROLES[d])
+        _call("cudnnFindConvolution%sAlgorithmEx" % x, h, a_desc, a, b_desc, b, self.conv[calls][d],
+              out_desc, out, count.value, ctypes.byref(got), perf, _ptr(ws), ws_bytes)
         find_calls += 1
         del ws
         last_find[:] = [(p.algo, p.status, p.time, p.memory, p.determinism, p.mathType) for p in perf[:got.value]]
@@ -290,15 +341,19 @@ class _Plan:
               and (not self.deterministic or p.determinism == _DETERMINISTIC)
               and not (strict and p.mathType in _TENSOR_OP_MATHS)]
         if not ok:
-            raise RuntimeError("cuDNN found no usable %s algorithm (%d tried, deterministic=%s)"
-                               % (x, got.value, self.deterministic))
+            return None
         best = min(ok, key=lambda p: p.time)
-        if not strict:             # run it with the math type it was timed with
-            _call("cudnnSetConvolutionMathType", self.conv[d], best.mathType)
         # Find's reported memory has disagreed with Get*WorkspaceSize in some
         # releases: allocate the larger of the two.
-        nbytes = max(best.memory, self._ws_size(h, d, a_desc, b_desc, out_desc, best.algo) or 0)
-        self.algo[d] = (best.algo, nbytes)
+        nbytes = max(best.memory, self._ws_size(h, d, calls, best.algo) or 0)
+        return best.time, best.algo, best.mathType, nbytes
+
+
+def _count(shape):
+    n = 1
+    for s in shape:
+        n *= s
+    return n
 
 
 def _plan(cp, x_shape, w_shape, geom, group, dtype):
@@ -342,7 +397,7 @@ def conv2d_forward(x, w, geom, group, bias=None):
     x, w = cp.ascontiguousarray(x), cp.ascontiguousarray(w)
     plan = _plan(cp, x.shape, w.shape, geom, group, x.dtype)
     y = cp.empty(plan.y_shape, x.dtype)
-    plan.run(cp, "fwd", plan.x, x, plan.w, w, plan.y, y)
+    plan.run(cp, "fwd", {"x": x, "w": w, "y": y})
     if bias is not None:
         y += bias.reshape(1, -1, 1, 1)
     return y
@@ -367,8 +422,8 @@ def conv2d_backward(x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=N
     dx = dw = None
     if need_dx:
         dx = cp.empty(x_shape, dy.dtype)
-        plan.run(cp, "bwd_data", plan.w, w, plan.y, dy, plan.x, dx)
+        plan.run(cp, "bwd_data", {"w": w, "y": dy, "x": dx})
     if need_dw:
         dw = cp.empty(w.shape, dy.dtype)
-        plan.run(cp, "bwd_filter", plan.x, cp.ascontiguousarray(x), plan.y, dy, plan.w, dw)
+        plan.run(cp, "bwd_filter", {"x": cp.ascontiguousarray(x), "y": dy, "w": dw})
     return dx, dw

@@ -79,7 +79,8 @@ ALGO_CASES = [c for c in CASES if c[0] in ("3x3_pad1", "5x5_nopad", "alexnet_con
 @pytest.mark.parametrize("name,x_shape,o,geom,group", ALGO_CASES, ids=[c[0] for c in ALGO_CASES])
 def test_every_allowed_algorithm(cp, name, x_shape, o, geom, group):
     """Whichever algorithm the timing picks (it varies by GPU and load), each
-    one not in EXCLUDED_ALGOS must meet the tolerance, in each direction."""
+    one not in EXCLUDED_ALGOS must meet the tolerance, in each direction,
+    run as one grouped call and (grouped cases) one call per group."""
     ref_fwd, ref_bwd = reference()
     x, w, b, dy = inputs(cp, x_shape, o, geom, group, seed=1)
     ry = ref_fwd(x, w, geom, group)
@@ -88,27 +89,28 @@ def test_every_allowed_algorithm(cp, name, x_shape, o, geom, group):
     cudnn.conv2d_backward(x, w, dy, geom, group)        # plan with all three directions
     plan = cudnn._plan(cp, x.shape, w.shape, geom, group, x.dtype)
     h = cudnn._handle(cp)
-    runs = {"fwd": ((plan.x, plan.w, plan.y), lambda: cudnn.conv2d_forward(x, w, geom, group), ry),
-            "bwd_data": ((plan.w, plan.y, plan.x), lambda: cudnn.conv2d_backward(
+    runs = {"fwd": (lambda: cudnn.conv2d_forward(x, w, geom, group), ry),
+            "bwd_data": (lambda: cudnn.conv2d_backward(
                 None, w, dy, geom, group, need_dw=False, x_shape=x.shape)[0], rx),
-            "bwd_filter": ((plan.x, plan.y, plan.w), lambda: cudnn.conv2d_backward(
-                x, w, dy, geom, group, need_dx=False)[1], rw)}
+            "bwd_filter": (lambda: cudnn.conv2d_backward(x, w, dy, geom, group, need_dx=False)[1], rw)}
+    assert sorted(plan.desc) == sorted({1, group})
     chosen = dict(plan.algo)
     try:
-        for d, (descs, run, want) in runs.items():
-            tried = 0
-            for algo in range(8):
-                nbytes = plan._ws_size(h, d, *descs, algo)
-                if nbytes is None or algo in cudnn.EXCLUDED_ALGOS[d] or nbytes > cudnn.WORKSPACE_CAP:
-                    continue
-                plan.algo[d] = (algo, nbytes)
-                try:
-                    got = run()
-                except RuntimeError:        # supported in principle, not for this case
-                    continue
-                close(cp, got, want)
-                tried += 1
-            assert tried >= 1
+        for d, (run, want) in runs.items():
+            for calls in plan.desc:
+                tried = 0
+                for algo in range(8):
+                    nbytes = plan._ws_size(h, d, calls, algo)
+                    if nbytes is None or algo in cudnn.EXCLUDED_ALGOS[d] or nbytes > cudnn.WORKSPACE_CAP:
+                        continue
+                    plan.algo[d] = (calls, algo, nbytes)
+                    try:
+                        got = run()
+                    except RuntimeError:        # supported in principle, not for this case
+                        continue
+                    close(cp, got, want)
+                    tried += 1
+                assert tried >= 1, (d, calls)
     finally:
         plan.algo.update(chosen)
 
