@@ -397,6 +397,34 @@ def spatial_window_sum(a, size, pre):
     return s
 
 
+# ------------------------------------------------------- fused elementwise
+# One launch for what a layer's few CuPy calls compute (kernels.elementwise's
+# ``fused``), the same roundings: ReLU's gradient dy * (y > 0) (NaN and the
+# sign of zero as the product gives them), a sum of two arrays, its max with
+# 0 as NumPy's maximum takes it (NaN kept, -0 kept).
+_FUSED_BODIES = {
+    "relu_gradient": ("T dy, T y", "dy * (T)(y > (T)0)"),
+    "sum": ("T a, T b", "a + b"),
+    "sum_relu": ("T a, T b", "a + b < (T)0 ? (T)0 : a + b"),
+}
+_fused = {}
+
+
+def fused_kernel(name, inputs, outputs):
+    """The kernel named in _FUSED_BODIES taking ``inputs`` arrays and
+    writing its value to each of ``outputs`` arrays, or None."""
+    params, value = _FUSED_BODIES.get(name, (None, None))
+    if params is None or params.count(",") + 1 != inputs:
+        return None
+    key = (name, outputs)
+    if key not in _fused:
+        outs = ["out%d" % k for k in range(outputs)]
+        body = "const T v = %s; %s" % (value, " ".join("%s = v;" % o for o in outs))
+        _fused[key] = cp.ElementwiseKernel(params, ", ".join("T " + o for o in outs), body,
+                                           "caffempi_%s_%d" % (name, outputs))
+    return _fused[key]
+
+
 # -------------------------------------------------------------------- dropout
 # A counter-based draw (splitmix64 of seed + index): no generator state on
 # the device, one host draw per mask, where drawing on the host and

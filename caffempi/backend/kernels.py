@@ -95,17 +95,25 @@ def sum_of_products(xp, a, b, axes):
     return _einsum_sum([a, b], axes) if xp is np else (a * b).sum(axis=axes)
 
 
-def elementwise(xp, fn, *arrays, outputs=1):
+def elementwise(xp, fn, *arrays, outputs=1, fused=None):
     """A new C-contiguous array ``out`` of arrays[0]'s shape and dtype,
     written by ``fn(*arrays, out=out)``, where ``fn`` is elementwise and
     the arrays share one shape: on the CPU one call per flat block of them
     on the intra-op threads (:func:`caffempi.backend.cpu.for_element_blocks`),
     on the GPU one call.  With ``outputs`` > 1, a tuple of that many new
     arrays, ``out`` the tuple of their blocks (several results of one pass
-    over the inputs)."""
+    over the inputs).  ``fused``: the name of a GPU kernel that computes
+    what ``fn`` does in one launch (:func:`caffempi.backend.gpu.fused_kernel`:
+    each of fn's CuPy calls is a launch and a pass over memory), used
+    where it has one for these arrays."""
     outs = tuple(xp.empty(arrays[0].shape, arrays[0].dtype) for _ in range(outputs))
     if xp is not np:
-        fn(*arrays, out=outs[0] if outputs == 1 else outs)
+        from . import gpu       # GPU only: the CPU's blocks run fn
+        kernel = gpu.fused_kernel(fused, len(arrays), outputs) if fused else None
+        if kernel is not None:
+            kernel(*arrays, *outs)
+        else:
+            fn(*arrays, out=outs[0] if outputs == 1 else outs)
         return outs[0] if outputs == 1 else outs
     flat = [a.reshape(-1) for a in arrays]
     outs_flat = [o.reshape(-1) for o in outs]

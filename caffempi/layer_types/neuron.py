@@ -100,7 +100,8 @@ class ReLULayer(_Neuron):
     def gradient(self, x, y, dy):
         xp = self.xp
         if self.slope == 0:
-            return kernels.elementwise(xp, lambda dy, y, out: relu_gradient(xp, dy, y, out), dy, y)
+            return kernels.elementwise(xp, lambda dy, y, out: relu_gradient(xp, dy, y, out), dy, y,
+                                       fused="relu_gradient")
         positive = (y > 0) if self.slope > 0 else (x > 0)
         return xp.where(positive, dy, dy * self.slope)
 

@@ -63,6 +63,7 @@ def _weighted_sum(xp, arrays, coeffs, relu=False):
     with ``relu``; in blocks on the intra-op threads
     (:func:`kernels.elementwise`)."""
     scalar = arrays[0].dtype.type
+    fused = ("sum_relu" if relu else "sum") if all(c == 1 for c in coeffs) else None
 
     def fn(first, *rest, out):
         if coeffs[0] == 1:
@@ -73,7 +74,7 @@ def _weighted_sum(xp, arrays, coeffs, relu=False):
             out += a if c == 1 else a * scalar(c)
         if relu:
             xp.maximum(out, 0, out=out)
-    return kernels.elementwise(xp, fn, *arrays)
+    return kernels.elementwise(xp, fn, *arrays, fused=fused)
 
 
 def _no_in_place(layer, bottom, top):
@@ -458,7 +459,8 @@ class EltwiseLayer(Layer):
                     xp.multiply(g, scalar(c), out=o)
             if coeffs[0] != 1:
                 g *= scalar(coeffs[0])
-        diffs = kernels.elementwise(xp, fn, top[0].diff, top[0].data, outputs=len(wanted))
+        diffs = kernels.elementwise(xp, fn, top[0].diff, top[0].data, outputs=len(wanted),
+                                    fused="relu_gradient" if all(c == 1 for c in coeffs) else None)
         for i, diff in zip(wanted, diffs if len(wanted) > 1 else (diffs,)):
             bottom[i].diff = diff
 

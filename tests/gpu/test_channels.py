@@ -184,3 +184,23 @@ def test_fused_chains_on_gpu_match_the_layers_and_the_cpu(cupy, global_stats):
         for other, name in ((alone, "GPU unfused"), (cpu, "CPU")):
             err = np.abs(fused[key] - other[key]).max()
             assert err <= 1e-4 * scale, "%s: fused GPU against %s: %.3g" % (key, name, err)
+
+
+@pytest.mark.parametrize("name,outputs", [("relu_gradient", 1), ("relu_gradient", 2), ("sum", 1), ("sum_relu", 1)])
+def test_fused_elementwise_kernels_equal_their_cupy_calls(cupy, name, outputs):
+    """kernels.elementwise's one-launch kernels against the layers' CuPy
+    calls, NaN, infinities and signed zeros included."""
+    from caffempi.backend import kernels
+    rs = np.random.RandomState(5)
+    a, b = (rs.randn(3, 7, 11).astype(np.float32) for _ in range(2))
+    a.flat[:6] = [np.nan, np.inf, -np.inf, -0.0, 0.0, 1.0]
+    b.flat[:6] = [1.0, -1.0, 2.0, -0.0, np.nan, -1.0]
+    a, b = cupy.asarray(a), cupy.asarray(b)
+    calls = {"relu_gradient": lambda dy, y, out: [cupy.multiply(dy, y > 0, out=o)
+                                                  for o in (out if outputs > 1 else (out,))],
+             "sum": lambda x, y, out: cupy.add(x, y, out=out),
+             "sum_relu": lambda x, y, out: cupy.maximum(cupy.add(x, y, out=out), 0, out=out)}
+    fused = kernels.elementwise(cupy, calls[name], a, b, outputs=outputs, fused=name)
+    alone = kernels.elementwise(cupy, calls[name], a, b, outputs=outputs)
+    for f, u in zip(fused if outputs > 1 else (fused,), alone if outputs > 1 else (alone,)):
+        np.testing.assert_array_equal(cupy.asnumpy(f), cupy.asnumpy(u))
