@@ -461,10 +461,10 @@ def copies_to_host(arrays):
     stream = cp.cuda.get_current_stream()
     hosts = []
     for a in arrays:
-        a = cp.ascontiguousarray(a)
-        host = empty_pinned(a.shape, a.dtype)
-        cp.asnumpy(a, stream=stream, out=host, blocking=False)
-        hosts.append(host)
+        src = cp.ascontiguousarray(a)           # at least 1-d: a 0-d loss comes back 0-d below
+        host = empty_pinned(src.shape, src.dtype)
+        cp.asnumpy(src, stream=stream, out=host, blocking=False)
+        hosts.append(host.reshape(a.shape))
     return hosts, stream.record()
 
 
