@@ -75,6 +75,14 @@ def default_array_module():
     return _default
 
 
+def on_host(xp):
+    """Whether ``xp``'s arrays live in host memory and run the CPU's
+    kernels: NumPy, or a module that says so with ``host_arrays = True``
+    (caffempi.testing.strict: NumPy arrays that refuse host reads, the
+    GPU's rule checked on the CPU)."""
+    return xp is np or bool(getattr(xp, "host_arrays", False))
+
+
 def to_numpy(a):
     if isinstance(a, np.ndarray):
         return a
@@ -83,5 +91,5 @@ def to_numpy(a):
 
 def synchronize(xp):
     """Wait for the device's queued work (timing GPU code); no-op on NumPy."""
-    if xp is not np:
+    if not on_host(xp):
         xp.cuda.get_current_stream().synchronize()

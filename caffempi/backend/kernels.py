@@ -5,11 +5,11 @@ takes the array module ``xp`` first and forwards to
 imported on first use)."""
 import numpy as np
 
-from . import cpu
+from . import cpu, on_host
 
 
 def _impl(xp, name):
-    if xp is np:
+    if on_host(xp):
         return getattr(cpu, name)
     from . import gpu
     return getattr(gpu, name)
@@ -21,14 +21,14 @@ conv_out_size = cpu.conv_out_size
 def conv2d_forward(xp, x, w, geom, group, bias=None, *, use_cudnn=False):
     """``use_cudnn`` (the layer's engine, :func:`caffempi.config.use_cudnn`)
     picks cuDNN's kernel on the GPU; the CPU has one kernel and ignores it."""
-    if xp is np:
+    if on_host(xp):
         return cpu.conv2d_forward(x, w, geom, group, bias)
     return _impl(xp, "conv2d_forward")(x, w, geom, group, bias, use_cudnn=use_cudnn)
 
 
 def conv2d_backward(xp, x, w, dy, geom, group, need_dx=True, need_dw=True, x_shape=None, *, use_cudnn=False):
     """The gradients (dx, dw); ``use_cudnn`` as in :func:`conv2d_forward`."""
-    if xp is np:
+    if on_host(xp):
         return cpu.conv2d_backward(x, w, dy, geom, group, need_dx, need_dw, x_shape)
     return _impl(xp, "conv2d_backward")(x, w, dy, geom, group, need_dx, need_dw, x_shape, use_cudnn=use_cudnn)
 
@@ -37,7 +37,7 @@ def im2col(xp, x, geom, oh, ow):
     """Column matrix (C*kh*kw, N*oh*ow) of the unpadded batch ``x`` (N, C, H,
     W): rows ordered (c, i, j) as Caffe's im2col, columns (n, y, x); zero
     outside the image."""
-    if xp is np:
+    if on_host(xp):
         ph, pw = geom[4], geom[5]
         return cpu.im2col(np.pad(x, ((0, 0), (0, 0), (ph, ph), (pw, pw))), geom, oh, ow)
     return _impl(xp, "im2col")(x, geom, oh, ow)
@@ -46,7 +46,7 @@ def im2col(xp, x, geom, oh, ow):
 def col2im(xp, col, x_shape, geom, oh, ow):
     """Adjoint of :func:`im2col`: the (N, C, H, W) array ``x_shape`` whose
     pixels hold the sums of the column entries read from them."""
-    if xp is np:
+    if on_host(xp):
         n, c, h, w = x_shape
         ph, pw = geom[4], geom[5]
         out = cpu.col2im(col, geom, oh, ow, np.zeros((n, c, h + 2 * ph, w + 2 * pw), col.dtype))
@@ -57,14 +57,14 @@ def col2im(xp, col, x_shape, geom, oh, ow):
 def matmul(xp, a, b):
     """a @ b for 2-D operands: on the CPU in blocks on the intra-op threads
     (:func:`caffempi.backend.cpu.matmul`), as one product on the GPU."""
-    return cpu.matmul(a, b) if xp is np else a @ b
+    return cpu.matmul(a, b) if on_host(xp) else a @ b
 
 
 def matmul_into(xp, a, b, out, accumulate=False):
     """out = a @ b (out += a @ b with ``accumulate``) for 2-D operands and a
     C-contiguous ``out``: on the CPU one GEMM into ``out``, beta 0 or 1
     (:func:`caffempi.backend.cpu.matmul_into`)."""
-    if xp is np:
+    if on_host(xp):
         return cpu.matmul_into(a, b, out, accumulate)
     if accumulate:
         out += a @ b
@@ -85,14 +85,14 @@ def sum_over(xp, a, axes):
     """The sum of ``a`` over ``axes`` (the other axes kept, in order): on
     the CPU by einsum, which sums over non-contiguous axes (BatchNorm's and
     Scale's channels) 2-3 times as fast as ndarray.sum."""
-    return _einsum_sum([a], axes) if xp is np else a.sum(axis=axes)
+    return _einsum_sum([a], axes) if on_host(xp) else a.sum(axis=axes)
 
 
 def sum_of_products(xp, a, b, axes):
     """The sum of a * b over ``axes`` (arrays of one shape; the other axes
     kept, in order): on the CPU without the product's copy (einsum's sum of
     products, a pass over each operand), on the GPU as one product and sum."""
-    return _einsum_sum([a, b], axes) if xp is np else (a * b).sum(axis=axes)
+    return _einsum_sum([a, b], axes) if on_host(xp) else (a * b).sum(axis=axes)
 
 
 def elementwise(xp, fn, *arrays, outputs=1, fused=None):
@@ -107,7 +107,7 @@ def elementwise(xp, fn, *arrays, outputs=1, fused=None):
     each of fn's CuPy calls is a launch and a pass over memory), used
     where it has one for these arrays."""
     outs = tuple(xp.empty(arrays[0].shape, arrays[0].dtype) for _ in range(outputs))
-    if xp is not np:
+    if not on_host(xp):
         from . import gpu       # GPU only: the CPU's blocks run fn
         kernel = gpu.fused_kernel(fused, len(arrays), outputs) if fused else None
         if kernel is not None:
@@ -132,7 +132,7 @@ def per_channel(xp, body, shape, dtype):
     the CPU blocks that stay in cache, on the intra-op threads
     (:func:`caffempi.backend.cpu.for_channel_blocks`; per-channel sums are
     then the same for any thread count), on the GPU ``body(slice(None))``."""
-    if xp is np:
+    if on_host(xp):
         cpu.for_channel_blocks(shape, np.dtype(dtype).itemsize, body)
     else:
         body(slice(None))
@@ -175,7 +175,7 @@ def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
     """Returns (y, scale): y = x * scale**-beta with Caffe's scale.  On the
     GPU across channels these steps are one kernel
     (:func:`caffempi.backend.gpu.lrn_across_forward`)."""
-    if across_channels and xp is not np:
+    if across_channels and not on_host(xp):
         from . import gpu       # GPU only: the CPU runs the steps below
         return gpu.lrn_across_forward(x, size, alpha, beta, k)
     pre = (size - 1) // 2
@@ -195,7 +195,7 @@ def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
 
 def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
     """dx of :func:`lrn_forward` (one kernel on the GPU across channels)."""
-    if across_channels and xp is not np:
+    if across_channels and not on_host(xp):
         from . import gpu       # GPU only: the CPU runs the steps below
         return gpu.lrn_across_backward(x, y, scale, dy, size, alpha, beta)
     pre = (size - 1) // 2

@@ -11,10 +11,13 @@ after the host has issued the work that follows.
 """
 import numpy as np
 
+from . import on_host
+
 
 def defers_reads(xp):
-    """Whether host reads of ``xp``'s arrays are worth deferring: on the
-    GPU, not on NumPy, where a read is free."""
+    """Whether host reads of ``xp``'s arrays are deferred: on the GPU, and
+    for any module but NumPy itself (caffempi.testing.strict checks the
+    GPU's rule on the CPU), not on NumPy, where a read is free."""
     return xp is not np
 
 
@@ -37,7 +40,7 @@ def read_later(xp, arrays):
     """A :class:`PendingRead` of ``arrays`` (of ``xp``): on NumPy copies
     made at once; on the GPU asynchronous copies into pinned host memory,
     queued after the work issued so far, and an event after them."""
-    if xp is np:
+    if on_host(xp):
         return PendingRead([np.array(a) for a in arrays])
     from . import gpu
     return PendingRead(*gpu.copies_to_host(arrays))

@@ -17,7 +17,7 @@ import time
 
 import numpy as np
 
-from ..backend import to_numpy
+from ..backend import on_host, to_numpy
 from ..common import CaffeError, rng, log
 from ..data import db
 from ..data.datum import datum_to_array, parse_datum, pil_to_chw, raw_datum_batch
@@ -128,7 +128,7 @@ class _BatchDataLayer(Layer):
             self._prefetcher = self._make_prefetcher()
             self._prefetcher.start(self._batch)
             self._uploader = None
-        if self.xp is np:
+        if on_host(self.xp):
             data, labels = self._prefetcher.next()
         else:
             # GPU: the workers fill pinned host batches (transformer.empty)

@@ -13,6 +13,7 @@ from google.protobuf import text_format
 
 from .. import common
 from ..backend import default_array_module, threads, to_numpy
+from ..backend.reads import defers_reads, read_later
 from ..common import AgreedError, CaffeError, SolverAction, TEST, TRAIN, log
 from ..io import proto_io
 from ..io.atomic import atomic_path
@@ -384,16 +385,31 @@ class Solver:
         return rate
 
     def clip_gradients(self):
+        """Caffe's ClipGradients.  Where reads are deferred (the GPU) the
+        device scales by min(1, clip / norm) itself, the same float32
+        factor, and the norm's read comes back (a PendingRead) for
+        :meth:`apply_update` to log the message once the update is issued:
+        reading the norm here would stall the device's queue."""
         clip = float(f32(self.param.clip_gradients))
         if clip < 0:
-            return
-        diff = self.net.param_diff
-        l2norm = math.sqrt(float(self.xp.dot(diff, diff)))
+            return None
+        xp, diff = self.xp, self.net.param_diff
+        if not defers_reads(xp):
+            self._clipped(math.sqrt(float(xp.dot(diff, diff))), clip, diff)
+            return None
+        norm = xp.sqrt(xp.dot(diff, diff).astype(np.float64))
+        diff *= xp.where(norm > clip, (clip / norm).astype(np.float32), np.float32(1))
+        return read_later(xp, [norm])
+
+    def _clipped(self, l2norm, clip, diff=None):
+        """Caffe's message when the norm exceeds the threshold (and the
+        scaling, for ``diff``)."""
         if l2norm > clip:
             scale = f32(clip / l2norm)
             self._info("Gradient clipping: scaling down gradients (L2 norm %s > %s) by scale factor %s",
                        fmt(l2norm), fmt(clip), fmt(scale))
-            diff *= scale
+            if diff is not None:
+                diff *= scale
 
     def normalize(self):
         if self.param.iter_size == 1:
@@ -438,11 +454,13 @@ class Solver:
         p = self.param
         if p.display and self.iter % p.display == 0:
             self._info("Iteration %d, lr = %s", self.iter, fmt(rate))
-        self.clip_gradients()
+        norm = self.clip_gradients()
         self.normalize()
         self.regularize()
         self.compute_update_value(rate)
         self.net.param_data -= self.net.param_diff
+        if norm is not None:
+            self._clipped(float(norm.result()[0]), float(f32(self.param.clip_gradients)))
         return rate
 
     # ----------------------------------------------------------------- loop
