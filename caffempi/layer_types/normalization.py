@@ -148,7 +148,9 @@ class BatchNormLayer(Layer):
             # Caffe's moving averages, updated where the statistics are made
             m = x.size // self.channels
             running = (self.blobs[0].data, self.blobs[1].data, self.maf, m / (m - 1.0) if m > 1 else 1.0)
-            self.blobs[2].data = self.blobs[2].data * self.maf + 1
+            factor = self.blobs[2].data          # in place, as the sums: state a step carries
+            factor *= self.maf
+            factor += 1
         if channels.available(*(a for a in (x, y, out, mean, std, scale, bias) + (running or ())[:2]
                                 if a is not None)):
             stats = channels.GIVEN_STATS if self.use_global_stats else channels.BATCH_STATS
