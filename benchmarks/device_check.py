@@ -44,6 +44,7 @@ profile.log, results.json.
 """
 import argparse
 import glob
+import hashlib
 import importlib
 import importlib.util
 import json
@@ -114,6 +115,19 @@ def tree_bytes():
             total += p.stat().st_size
     shared = REPO / "shared"
     return total + (dir_bytes(shared) if shared.is_dir() else 0)
+
+
+def code_digest():
+    """The first 12 hex digits of a SHA-256 over the Python files of
+    caffempi/ and benchmarks/ (names and contents, sorted): what a run
+    measured, the same here and on the device, whose git metadata can be
+    older than the working tree it was sent (``--digest`` prints it here)."""
+    h = hashlib.sha256()
+    for top in ("caffempi", "benchmarks"):
+        for p in sorted((REPO / top).rglob("*.py")):
+            if "__pycache__" not in p.parts:
+                h.update(str(p.relative_to(REPO)).encode() + b"\0" + p.read_bytes() + b"\0")
+    return h.hexdigest()[:12]
 
 
 def dir_bytes(path):
@@ -214,6 +228,7 @@ def versions_child(dry):
     probe("date", lambda: time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()))
     probe("mode", lambda: "dry-run" if dry else "device")
     probe("caffempi commit", commit)
+    probe("code digest", code_digest)
     probe("platform", lambda: "%s, %d CPUs" % (platform.platform(), os.cpu_count()))
     probe("python", lambda: "%s (%s)" % (sys.version.split()[0], sys.executable))
     probe("numpy", lambda: __import__("numpy").__version__)
@@ -482,8 +497,12 @@ def main(argv=None):
     ap.add_argument("--iterations", type=int, default=20, help="gpu_speed.py's timed steps")
     ap.add_argument("--tests-box", type=float, default=200, help="seconds for pytest tests/gpu")
     ap.add_argument("--pytest-workers", type=int, default=4, help="pytest-xdist workers (0: none)")
+    ap.add_argument("--digest", action="store_true", help="print this checkout's code digest and exit")
     ap.add_argument("--versions-child", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if args.digest:
+        print(code_digest())
+        return 0
     if args.versions_child:
         return versions_child(args.dry_run)
     if args.prepare:
@@ -629,7 +648,7 @@ def main(argv=None):
                 k, v = line.split(": ", 1)
                 versions[k] = v
     summary.append("versions:")
-    for k in ("caffempi commit", "python", "numpy", "cupy", "cuda", "gpu", "libcudnn.so.9",
+    for k in ("caffempi commit", "code digest", "python", "numpy", "cupy", "cuda", "gpu", "libcudnn.so.9",
               "cudnn (caffempi)", "nccl", "torch", "protobuf", "mpi", "mpiexec"):
         summary.append("  %-17s %s" % (k + ":", versions.get(k, "?")))
     summary.append("steps:")

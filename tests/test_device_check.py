@@ -40,6 +40,9 @@ def test_dry_run_writes_every_file(tmp_path):
 
     summary = (out / "summary.txt").read_text()
     assert p.stdout.rstrip().endswith(summary.rstrip())     # printed last: the reply's output tail
+    digest = subprocess.run([sys.executable, str(SCRIPT), "--digest"], cwd=REPO, capture_output=True,
+                            text=True, timeout=60).stdout.strip()
+    assert len(digest) == 12 and "code digest:      %s" % digest in summary
     assert "install                      skipped: dry run" in summary
     assert "tests/gpu: skipped: no GPU (collection: " in summary
     assert "tests collected" in summary             # tests/gpu imports and collects
