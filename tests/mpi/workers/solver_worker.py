@@ -130,7 +130,7 @@ def main():
             net = solver.net
             orig = net.forward_backward
 
-            def bad():
+            def bad(**kwargs):
                 if solver.iter == fail_iter:
                     if kind == "raise":
                         raise RuntimeError("injected failure at iteration %d" % solver.iter)
@@ -141,7 +141,7 @@ def main():
                         time.sleep(3600)
                     if kind == "nan":      # poisons ip3's output, hence the loss
                         net.param_data[-1] = np.nan
-                return orig()
+                return orig(**kwargs)
             net.forward_backward = bad
             if kind == "snapshot":
                 solver.param.snapshot_prefix = "/nonexistent/dir/snap"
