@@ -347,7 +347,7 @@ class Solver:
         for name, mults in (("rate", self.net.param_lr_mults), ("decay", self.net.param_decay_mults)):
             mults = [f32(m) for m in mults] or [f32(1)]
             self._mults[name] = mults[0] if all(m == mults[0] for m in mults) else mults
-        self._scaled = {}       # name -> (factor, the vector of its products)
+        self._scaled = {}       # name -> (factor, the array of its products)
         self._scratch = None    # scratch(), made on first use
 
     def scratch(self):
@@ -359,24 +359,28 @@ class Solver:
 
     def _scaled_mults(self, name, factor):
         """``factor`` times each param's multiplier (``name``: rate or decay),
-        float32 products as Caffe's local_rate and local_decay: one scalar
-        when all params share a multiplier, else a flat vector of each
-        param's product over its slice.  The vector is one buffer, filled
-        again only when ``factor`` changes: a new one every step would cost
-        a pass over the params and a fresh allocation."""
+        float32 products as Caffe's local_rate and local_decay, in one array
+        of the net's module per name, filled again in place only when
+        ``factor`` changes: 0-d when all params share a multiplier, else a
+        flat vector of each param's product over its slice.  One buffer: a
+        new vector every step would cost a pass over the params and an
+        allocation.  In place and an operand (not a kernel's scalar
+        argument): a replayed step (a captured CUDA graph) reads the
+        current rate from it."""
         factor = f32(factor)
         mults = self._mults[name]
-        if not isinstance(mults, list):
-            return factor * mults
-        last, vec = self._scaled.get(name, (None, None))
+        last, scaled = self._scaled.get(name, (None, None))
         if last == factor:
-            return vec
-        if vec is None:
-            vec = self.xp.empty(self.net.param_data.size, np.float32)
-        for mult, blob, off in zip(mults, self.net.learnable_params, self.net.param_offsets):
-            vec[off:off + blob.count] = factor * mult
-        self._scaled[name] = (factor, vec)
-        return vec
+            return scaled
+        if scaled is None:
+            scaled = self.xp.empty(self.net.param_data.size if isinstance(mults, list) else (), np.float32)
+        if isinstance(mults, list):
+            for mult, blob, off in zip(mults, self.net.learnable_params, self.net.param_offsets):
+                scaled[off:off + blob.count] = factor * mult
+        else:
+            scaled[...] = factor * mults
+        self._scaled[name] = (factor, scaled)
+        return scaled
 
     # --------------------------------------------------------------- update
     def get_learning_rate(self):
@@ -418,11 +422,10 @@ class Solver:
 
     def regularize(self):
         wd = f32(self.param.weight_decay)
-        if not wd:
-            return
+        mults = self._mults["decay"]
+        if not wd or (not isinstance(mults, list) and not wd * mults):
+            return                 # decided on the host: the products are device values
         local_decay = self._scaled_mults("decay", wd)
-        if np.ndim(local_decay) == 0 and not local_decay:
-            return
         xp, data, diff, tmp = self.xp, self.net.param_data, self.net.param_diff, self._tmp
         if self.param.regularization_type == "L2":
             xp.multiply(data, local_decay, out=tmp)
