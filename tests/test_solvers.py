@@ -272,7 +272,7 @@ def test_adam_against_hand_numbers():
     from caffempi.solvers import updates
     g = np.array([0.5], np.float32)
     m, v, tmp = np.zeros(1, np.float32), np.zeros(1, np.float32), np.zeros(1, np.float32)
-    updates.adam(np, g, m, v, tmp, np.float32(0.1), 0.9, 0.999, 1e-8, 1)
+    updates.adam(np, g, m, v, tmp, np.float32(0.1), 0.9, 0.999, 1e-8, updates.adam_correction(0.9, 0.999, 1))
     corr = math.sqrt(1 - 0.999) / (1 - 0.9)
     assert g[0] == pytest.approx(0.1 * corr * 0.05 / (math.sqrt(0.00025) + 1e-8), rel=1e-6)
 

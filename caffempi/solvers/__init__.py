@@ -6,6 +6,8 @@
 """
 import os
 
+import numpy as np
+
 from ..common import CaffeError
 from ..io import proto_io
 from ..io.proto_io import ProtoError
@@ -80,10 +82,20 @@ class AdamSolver(SGDSolver):
     type = "Adam"
     num_history = 2
 
+    def prepare_update(self):
+        """Also the bias correction of this step, sqrt(1 - b2^t) / (1 -
+        b1^t) with t = iter + 1, into a 0-d array the update reads."""
+        rate = super().prepare_update()
+        if getattr(self, "_correction", None) is None:
+            self._correction = self.xp.empty((), np.float32)
+        p = self.param
+        self._correction[...] = updates.adam_correction(p.momentum, p.momentum2, self.iter + 1)
+        return rate
+
     def compute_update_value(self, rate):
         p = self.param
         updates.adam(self.xp, self.net.param_diff, self.history[0], self.history[1], self._tmp,
-                     self.local_rate(rate), p.momentum, p.momentum2, p.delta, self.iter + 1)
+                     self.local_rate(rate), p.momentum, p.momentum2, p.delta, self._correction)
 
 
 SOLVER_TYPES = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver,

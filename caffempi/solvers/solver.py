@@ -453,18 +453,35 @@ class Solver:
         """Caffe's ApplyUpdate: the update from the net's gradients as they
         are (step averages them over the ranks first; a script's own loop
         that calls this after net.backward() updates each rank alone)."""
+        rate = self.prepare_update()
+        norm = self.update_params(rate)
+        if norm is not None:
+            self._clipped(float(norm.result()[0]), float(f32(self.param.clip_gradients)))
+        return rate
+
+    def prepare_update(self):
+        """The host's part of the update: the rate (and its display line),
+        and the arrays of per-step values the device part reads, filled in
+        place where they changed.  Returns the rate."""
         rate = self.get_learning_rate()
         p = self.param
         if p.display and self.iter % p.display == 0:
             self._info("Iteration %d, lr = %s", self.iter, fmt(rate))
+        self.local_rate(rate)
+        return rate
+
+    def update_params(self, rate):
+        """The device's part: clipping, normalisation, regularisation, the
+        rule's update value and data -= diff, reading per-step values only
+        from the arrays :meth:`prepare_update` filled, so the work can be
+        captured once and replayed (solvers/captured.py).  Returns the
+        clipping norm's pending read, or None."""
         norm = self.clip_gradients()
         self.normalize()
         self.regularize()
         self.compute_update_value(rate)
         self.net.param_data -= self.net.param_diff
-        if norm is not None:
-            self._clipped(float(norm.result()[0]), float(f32(self.param.clip_gradients)))
-        return rate
+        return norm
 
     # ----------------------------------------------------------------- loop
     def add_callback(self, on_start, on_gradients_ready):

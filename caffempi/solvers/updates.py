@@ -95,9 +95,10 @@ def adam_correction(beta1, beta2, t):
     return f32(np.sqrt(1.0 - b2 ** t) / (1.0 - b1 ** t))
 
 
-def adam(xp, diff, m1, v, tmp, local_rate, beta1, beta2, delta, t):
+def adam(xp, diff, m1, v, tmp, local_rate, beta1, beta2, delta, corr):
+    """``corr``: :func:`adam_correction` of this step (a float32, or a 0-d
+    array holding it)."""
     b1, b2 = f32(beta1), f32(beta2)
-    corr = adam_correction(beta1, beta2, t)
     axpby(xp, f32(1) - b1, diff, b1, m1, tmp)      # m = (1-b1) g + b1 m
     mean_square(xp, diff, b2, v, tmp)               # v = (1-b2) g^2 + b2 v
     if np.ndim(local_rate):                         # g is free now: the rates go there
