@@ -23,7 +23,8 @@ pip installs the carried wheels with --prefix (the mpich wheel keeps its
 lib/libmpi.so.12 and bin/mpiexec there; MPI4PY_LIBMPI points at it);
 versions.txt (python, numpy, cupy, CUDA runtime and driver, the GPU,
 whether libcudnn.so.9 loads, NCCL, torch, protobuf, MPI); pytest tests/gpu;
-benchmarks/gpu_speed.py per net (ResNet-50, AlexNet, CIFAR10-quick, LeNet)
+gpu_speed.py --graph on LeNet and CIFAR10-quick in strict FP32 (caffempi
+replaying CUDA graphs, rows marked r1g); benchmarks/gpu_speed.py per net (ResNet-50, AlexNet, CIFAR10-quick, LeNet)
 in strict FP32; benchmarks/gpu_profile.py (per-layer host and GPU time) on
 ResNet-50 and AlexNet; gpu_speed.py in TF32; the profile of the small nets;
 then further rounds of gpu_speed.py while the budget lasts (--rounds).
@@ -75,6 +76,7 @@ PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_27_x86_64", "manylinux_2_17_x
 CARRY_LIMIT = 64 * 2 ** 20     # the working tree plus carried paths, per call
 
 NETS = ["resnet50", "alexnet", "cifar", "lenet"]      # the issue's order, ResNet-50 (worst) first
+GRAPH_NETS = ("lenet", "cifar")    # the host-bound nets CUDA graphs are for
 SPEED_BOX = {"resnet50": 100, "alexnet": 80, "cifar": 50, "lenet": 50}
 PROFILE_BOX = {"resnet50": 75, "alexnet": 60, "cifar": 40, "lenet": 40}
 RUN_TIMEOUT = 480               # the run call's timeout_s: the budget plus margin
@@ -489,7 +491,7 @@ def main(argv=None):
     ap.add_argument("--dry-run", action="store_true", help="every step, GPU parts skipped; no install")
     ap.add_argument("--out", default=None, help="output folder (default $OUT, else /tmp/device_check_out)")
     ap.add_argument("--budget", type=float, default=450, help="seconds for the whole run (default 450)")
-    ap.add_argument("--steps", default="install,versions,tests,speed,profile",
+    ap.add_argument("--steps", default="install,versions,tests,graphs,speed,profile",
                     help="which steps (comma list)")
     ap.add_argument("--nets", default=",".join(NETS), help="gpu_speed.py nets, in order")
     ap.add_argument("--profile-nets", default=",".join(NETS), help="gpu_profile.py nets, in order")
@@ -579,10 +581,11 @@ def main(argv=None):
             run.note("tests/gpu", no_gpu)
 
     # 4. speed and profile, interleaved by priority
-    def speed_step(key, tf32, rnd, layers):
-        label = "speed %s tf32=%d r%d" % (key, tf32, rnd)
+    def speed_step(key, tf32, rnd, layers, graph=False):
+        label = "speed %s tf32=%d r%d%s" % (key, tf32, rnd, " graphs" if graph else "")
         cmd = [py, "benchmarks/gpu_speed.py", "--nets", key, "--tf32", str(tf32), "--zoo", zoo,
-               "--iterations", str(args.iterations)] + (["--layers"] if layers else [])
+               "--iterations", str(args.iterations)] + (["--layers"] if layers else []) + \
+            (["--graph"] if graph else [])
         if not gpu:
             with open(out / "speed.log", "a") as f:
                 f.write("=== %s\n$ %s\n%s\n" % (label, " ".join(map(str, cmd)), no_gpu))
@@ -590,7 +593,8 @@ def main(argv=None):
             return
         status, text = run.run(label, cmd, "speed.log", SPEED_BOX.get(key, 60))
         rows = speed_rows(text)
-        speed.append({"net": key, "tf32": tf32, "round": rnd, "status": status, "rows": rows})
+        speed.append({"net": key, "tf32": tf32, "round": rnd, "status": status, "rows": rows,
+                      "graph": graph})
 
     def profile_step(key):
         label = "profile %s" % key
@@ -623,6 +627,10 @@ def main(argv=None):
         status, text = run.run("speed nets build", check, "speed.log", 60)
         speed.append({"net": "all", "tf32": None, "round": 0, "status": status,
                       "rows": [ln for ln in text.splitlines() if ln.startswith("net ")]})
+    if "graphs" in steps:
+        # the small nets replayed as CUDA graphs (CAFFEMPI_CUDA_GRAPH), rows marked r1g
+        for key in [n for n in nets if n in GRAPH_NETS]:
+            speed_step(key, 0, 1, layers=False, graph=True)
     for rnd in range(1, max(1, args.rounds) + 1):
         for tf32 in (0, 1):
             if "speed" in steps:
@@ -659,7 +667,7 @@ def main(argv=None):
                    "ours MB, torch MB):")
     for s in speed:
         for row in s["rows"] or ["(%s %s: %s, no rows)" % (s["net"], s["tf32"], s["status"])]:
-            summary.append("  r%d %s" % (s["round"], row.strip()))
+            summary.append("  r%d%s %s" % (s["round"], "g" if s.get("graph") else "", row.strip()))
     if not speed:
         summary.append("  (not run)")
     summary.append("profile (per-layer table in profile.log):")

@@ -56,9 +56,12 @@ def run_ours(key, zoo, iterations):
     sync_ours()
     step_ms = (time.perf_counter() - t) / iterations * 1e3
     layers = time_net(net, max(5, iterations // 2), report=lambda *a: None, measure_memory=False)
+    captured = solver.captured
+    graphs = None if captured is None else (
+        "off: %s" % captured.reason if captured.reason else "%d iterations replayed" % captured.replays)
     return {"step_ms": step_ms, "images_s": batch * 1e3 / step_ms, "layers": layers["layers"],
             "fwd_ms": layers["forward_ms"], "bwd_ms": layers["backward_ms"],
-            "gpu_pool_peak_mb": layers.get("gpu_pool_peak_bytes", 0) / 2 ** 20}
+            "gpu_pool_peak_mb": layers.get("gpu_pool_peak_bytes", 0) / 2 ** 20, "graphs": graphs}
 
 
 def run_torch(key, zoo, iterations, tf32):
@@ -101,6 +104,8 @@ def main():
     ap.add_argument("--tf32", default="0,1")
     ap.add_argument("--frameworks", default="caffempi,torch")
     ap.add_argument("--layers", action="store_true", help="print caffempi's per-layer table")
+    ap.add_argument("--graph", action="store_true",
+                    help="caffempi replays its iterations as CUDA graphs (CAFFEMPI_CUDA_GRAPH=1)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
@@ -111,7 +116,8 @@ def main():
         return
     rows = []
     for tf32 in [int(v) for v in args.tf32.split(",")]:
-        env = dict(os.environ, CUPY_TF32=str(tf32), CAFFEMPI_TF32=str(tf32))
+        env = dict(os.environ, CUPY_TF32=str(tf32), CAFFEMPI_TF32=str(tf32),
+                   CAFFEMPI_CUDA_GRAPH="1" if args.graph else os.environ.get("CAFFEMPI_CUDA_GRAPH", "0"))
         for key in args.nets.split(","):
             name, _, _, batch = NETS[key]
             got = {}
@@ -140,6 +146,9 @@ def main():
         print("  %-14s %6d %5d %12.1f %12.1f %8.2f %12.0f %12.0f"
               % (name, batch, tf32, a, b, a / b, ours["gpu_pool_peak_mb"] if ours else float("nan"),
                  ref["peak_mb"] if ref else float("nan")))
+    for name, batch, tf32, ours, ref in rows:
+        if ours and ours.get("graphs"):
+            print("  %s tf32=%d, caffempi's CUDA graphs: %s" % (name, tf32, ours["graphs"]))
 
 
 if __name__ == "__main__":

@@ -19,6 +19,7 @@ docs/configuration.md lists them for users.
 | CAFFEMPI_COMPILED_POOLING | compiled_pooling | True | CPU MAX pooling uses the compiled kernels (backend/pooling.py) where they run |
 | CAFFEMPI_COMPILED_CHANNELS | compiled_channels | True | BatchNorm and per-channel Scale passes use the compiled kernels (backend/channels.py on the CPU, backend/gpu_channels.py on the GPU) where they run |
 | CAFFEMPI_FUSE | fuse | True | nets run BatchNorm → Scale → ReLU and Eltwise SUM → ReLU chains in place as one pass each way (Layer.absorb) |
+| CAFFEMPI_CUDA_GRAPH | cuda_graph | False | GPU training replays each iteration's pass and update as captured CUDA graphs (solvers/captured.py) |
 
 A value that cannot be read is a one-line CaffeError naming the variable
 (raised where the setting is first used, so the CLI reports it as any other
@@ -74,6 +75,7 @@ SETTINGS = {
     "compiled_pooling": ("CAFFEMPI_COMPILED_POOLING", _flag, True),
     "compiled_channels": ("CAFFEMPI_COMPILED_CHANNELS", _flag, True),
     "fuse": ("CAFFEMPI_FUSE", _flag, True),
+    "cuda_graph": ("CAFFEMPI_CUDA_GRAPH", _flag, False),
 }
 
 

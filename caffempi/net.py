@@ -760,17 +760,19 @@ class Net:
 
     _set_input_arrays = set_input_arrays
 
-    def forward_backward(self, pending=False):
+    def forward_backward(self, pending=False, start=0):
         """One training pass; returns the loss.  Param diffs accumulate.
         With ``pending``, a :class:`PendingLoss` of it instead, whose host
         read on the GPU is queued after forward and waited for only at
         ``result()``, so the host issues backward (and a solver its update
-        and next pass) while the device works."""
+        and next pass) while the device works.  ``start``: the first layer
+        to run forward, the ones before having run already (a replayed
+        pass runs its data layers apart, solvers/captured.py)."""
         if not pending:
-            loss = self.forward_range()
+            loss = self.forward_range(start)
             self.backward_range()
             return loss
-        loss = PendingLoss(self.forward_range(read=False), self._take_checks(), self.xp)
+        loss = PendingLoss(self.forward_range(start, read=False), self._take_checks(), self.xp)
         self.backward_range()
         return loss
 

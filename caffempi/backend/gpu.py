@@ -465,7 +465,46 @@ def copies_to_host(arrays):
         host = empty_pinned(src.shape, src.dtype)
         cp.asnumpy(src, stream=stream, out=host, blocking=False)
         hosts.append(host.reshape(a.shape))
-    return hosts, stream.record()
+    # captured (a CUDA graph): no event; the replay's caller waits for it
+    return hosts, None if stream.is_capturing() else stream.record()
+
+
+class GraphStream:
+    """Captures device work as CUDA graphs and replays them on a stream of
+    its own, ordered with the caller's current stream: what the caller
+    issued before a capture or replay runs first, and what it issues after
+    waits for it.  What a capture allocates comes from a memory pool of its
+    own that nothing else uses, so every replay finds its arrays where the
+    capture left them (solvers/captured.py)."""
+
+    def __init__(self):
+        self.stream = cp.cuda.Stream(non_blocking=True)
+        self.pool = cp.cuda.MemoryPool()
+
+    def capture(self, fn):
+        """(graph, fn's result), fn's device work captured, not run."""
+        self.stream.wait_event(cp.cuda.get_current_stream().record())
+        with self.stream, cp.cuda.using_allocator(self.pool.malloc):
+            self.stream.begin_capture()
+            try:
+                result = fn()
+            except BaseException:
+                try:
+                    self.stream.end_capture()
+                except Exception:       # the capture was invalidated: the error above says why
+                    pass
+                raise
+            graph = self.stream.end_capture()
+        return graph, result
+
+    def launch(self, graph):
+        """Replays ``graph``; returns an event recorded after it."""
+        caller = cp.cuda.get_current_stream()
+        self.stream.wait_event(caller.record())
+        graph.launch(stream=self.stream)
+        done = self.stream.record()
+        caller.wait_event(done)
+        return done
 
 
 class BatchUploader:

@@ -11,7 +11,7 @@ import time
 import numpy as np
 from google.protobuf import text_format
 
-from .. import common
+from .. import common, config
 from ..backend import default_array_module, threads, to_numpy
 from ..backend.reads import defers_reads, read_later
 from ..common import AgreedError, CaffeError, SolverAction, TEST, TRAIN, log
@@ -24,6 +24,7 @@ from ..parallel.comm import SingleWorld
 from ..parallel.sync import BucketedAllreduce
 from ..proto import caffe_pb2
 from . import lr_policy
+from .captured import CapturedSteps
 
 f32 = np.float32
 
@@ -123,6 +124,7 @@ class Solver:
         self.collectives = self.sync.collectives
         self.action_function = None
         self.callbacks = []              # (on_start, on_gradients_ready) pairs: add_callback
+        self.captured = None             # CapturedSteps, made by step() under CAFFEMPI_CUDA_GRAPH
         self.requested_early_exit = False
         self.iter = 0
         self.current_step = 0
@@ -586,6 +588,9 @@ class Solver:
         self._iterations_last = self.iter
         self._wait_last = net.data_wait_seconds()
         iter_size = p.iter_size
+        if config.settings.cuda_graph and self.captured is None:
+            self.captured = CapturedSteps(self)
+        captured = self.captured if config.settings.cuda_graph else None
         while self.iter < stop_iter:
             net.clear_param_diffs()
             if p.test_interval and self.iter % p.test_interval == 0 and \
@@ -597,16 +602,22 @@ class Solver:
                 on_start()
             display = p.display and self.iter % p.display == 0
             sync.start_iteration(net, iter_size)
-            passes = []
-            for i in range(iter_size):
-                sync.before_pass(net, i, i == iter_size - 1)
-                # the strategy's sums progress between the kernels' chunks
-                with threads.progress(sync.progress):
-                    passes.append(net.forward_backward(pending=True))
-            loss = 0.0
-            for pending in passes:      # read once backward is issued (Net.PendingLoss)
-                loss += pending.result()
-            loss /= iter_size
+            replay = captured is not None and captured.ready()
+            if replay:
+                loss = captured.passes()
+            else:
+                passes = []
+                for i in range(iter_size):
+                    sync.before_pass(net, i, i == iter_size - 1)
+                    # the strategy's sums progress between the kernels' chunks
+                    with threads.progress(sync.progress):
+                        passes.append(net.forward_backward(pending=True))
+                loss = 0.0
+                for pending in passes:      # read once backward is issued (Net.PendingLoss)
+                    loss += pending.result()
+                loss /= iter_size
+                if captured is not None:
+                    captured.ran_eagerly()
             # finish first: no allreduce is left pending if the ranks stop here
             sync.finish(net)
             self._check_finite_loss(loss)
@@ -618,7 +629,10 @@ class Solver:
                 self._iterations_last = self.iter
             for _, on_gradients_ready in self.callbacks:
                 on_gradients_ready()
-            self.apply_update()
+            if replay and captured.ready():
+                captured.update()
+            else:
+                self.apply_update()
             sync.after_update(net)
             self.iter += 1
             request = self._requested_action()

@@ -83,3 +83,24 @@ def test_a_bad_label_stops_the_gpu_step_before_the_update(cupy, tmp_path):
     with pytest.raises(CaffeError, match=r"label value 12 is outside \[0, 10\)"):
         solver.step(1)
     assert np.array_equal(to_numpy(solver.net.param_data), before)
+
+
+def test_lenet_replayed_as_cuda_graphs_follows_the_eager_run(cupy, tmp_path):
+    """CAFFEMPI_CUDA_GRAPH: after the warm-up, each iteration's pass and
+    update replay captured graphs; the trajectory is the eager one (the
+    same kernels, up to cuDNN algorithms that sum in a varying order)."""
+    from caffempi import config
+    from caffempi.solvers.captured import WARMUP
+    source = digits_lmdb(tmp_path / "digits")
+    runs = []
+    for graphs in (False, True):
+        set_random_seed(7)
+        with config.using_config(cuda_graph=graphs):
+            solver = lenet_solver(source, cupy, tmp_path)
+            runs.append(trajectory(solver, 20))
+    assert solver.captured.reason is None, solver.captured.reason
+    assert solver.captured.replays == 20 - WARMUP
+    (eager_loss, eager_w), (graph_loss, graph_w) = runs
+    assert graph_loss[-1] < 0.8 * graph_loss[0]
+    np.testing.assert_allclose(graph_loss, eager_loss, rtol=1e-5, atol=1e-6)
+    assert np.abs(graph_w - eager_w).max() <= 1e-5 * np.abs(eager_w).max()
