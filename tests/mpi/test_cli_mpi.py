@@ -134,13 +134,15 @@ def test_sigterm_to_mpiexec_leaves_one_snapshot_that_resumes_bitwise(tmp_path, f
     ranks agree, write one snapshot after the current iteration and exit 0;
     resuming from it reaches the same weights, to the bit, as a run that was
     never stopped (with --compress too: the snapshot has each rank's Q and
-    error).  Shares held equal: under --balance=auto a loaded host may move
-    them in one run and not in the other (they follow measured times;
-    test_balance covers resuming with uneven shares)."""
+    error).  Shares held equal and the gradient plan's costs given: under
+    --balance=auto a loaded host may move the shares in one run and not in
+    the other, and measured costs may send a layer's gradient as
+    sufficient factors in one run and summed whole in the other, which
+    round differently (test_balance covers resuming with uneven shares)."""
     import re
     import signal
     from .test_solver_mpi import caffemodel_weights
-    run_flags = flags + ["--balance=off"]
+    run_flags = flags + ["--balance=off"] + ([] if flags else ["--link_gbps=10", "--gemm_gflops=50"])
     s = write_solver(tmp_path, 12, 2, max_iter=100000, prefix="term")
     s.write_text(s.read_text().replace("snapshot: 2 ", "snapshot: 0 "))
     rc, out = _signal_training_job(tmp_path, s, signal.SIGTERM, "Iteration 6 (", run_flags)
