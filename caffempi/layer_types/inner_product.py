@@ -124,14 +124,20 @@ class EmbedLayer(Layer):
     def reshape(self, bottom, top):
         top[0].reshape(bottom[0].shape + (self.num_output,))
 
-    def _indices(self, bottom):
+    def _indices(self, bottom, check=True):
+        """The rows bottom 0 names; with ``check`` (forward), whether they are
+        integers in range is checked (Layer.check_values: on the GPU when the
+        net reads its loss, the rows clipped meanwhile)."""
         xp = self.xp
         x = bottom[0].data.reshape(-1)
-        bad = (x < 0) | (x >= self.input_dim) | (x != xp.floor(x))
-        if bool(bad.any()):
-            raise self.error("bottom %s holds indices that are not integers in [0, %d)",
-                             bottom[0].shape, self.input_dim)
-        return x.astype(xp.int32)
+        if check:
+            def refuse(bad):
+                if bad:
+                    raise self.error("bottom %s holds indices that are not integers in [0, %d)",
+                                     bottom[0].shape, self.input_dim)
+            self.check_values(((x < 0) | (x >= self.input_dim) | (x != xp.floor(x))).any(), refuse)
+        rows = x.astype(xp.int32)
+        return rows if self.deferred_checks is None else xp.clip(rows, 0, self.input_dim - 1)
 
     def forward(self, bottom, top):
         y = self.blobs[0].data[self._indices(bottom)]
@@ -143,7 +149,7 @@ class EmbedLayer(Layer):
         if propagate_down[0]:
             raise self.error("cannot backpropagate to the indices in its bottom")
         xp = self.xp
-        idx = self._indices(bottom)
+        idx = self._indices(bottom, check=False)
         dy = top[0].diff.reshape(-1, self.num_output)
         # Scatter-add of dy rows into the table as one-hot^T @ dy: one code
         # path for NumPy and CuPy; chunked to bound the one-hot's memory.

@@ -733,15 +733,23 @@ class BatchReindexLayer(Layer):
             raise self.error("bottom 0 must have an item axis, got a scalar")
         top[0].reshape(bottom[1].shape[:1] + bottom[0].shape[1:])
 
-    def _indices(self, bottom):
+    def _indices(self, bottom, check=True):
+        """The items bottom 1 names; with ``check`` (forward), whether they
+        are in range is checked (Layer.check_values: on the GPU when the net
+        reads its loss, the indices clipped meanwhile)."""
+        xp = self.xp
         idx = bottom[1].data
         n = bottom[0].shape[0]
-        bad = (idx < 0) | (idx >= n)
-        if bool(bad.any()):
-            first = int(self.xp.argmax(bad))
-            raise self.error("index %g (entry %d of bottom 1) is out of range for the %d items "
-                             "of bottom 0 (shape %s)", float(idx[first]), first, n, bottom[0].shape)
-        return idx.astype(self.xp.int64)
+        if check:
+            def refuse(host):
+                bad = (host < 0) | (host >= n)
+                if bad.any():
+                    first = int(bad.argmax())
+                    raise self.error("index %g (entry %d of bottom 1) is out of range for the %d items "
+                                     "of bottom 0 (shape %s)", float(host[first]), first, n, bottom[0].shape)
+            self.check_values(idx, refuse)
+        items = idx.astype(xp.int64)
+        return items if self.deferred_checks is None else xp.clip(items, 0, n - 1)
 
     def forward(self, bottom, top):
         top[0].data = bottom[0].data[self._indices(bottom)]
@@ -752,7 +760,7 @@ class BatchReindexLayer(Layer):
         if not propagate_down[0]:
             return
         xp = self.xp
-        idx = self._indices(bottom)
+        idx = self._indices(bottom, check=False)
         n = bottom[0].shape[0]
         # scatter-add as one-hot^T @ dy: one code path for NumPy and CuPy,
         # summing repeated indices (the one-hot is only batch x batch)
