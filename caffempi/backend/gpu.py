@@ -465,8 +465,9 @@ def copies_to_host(arrays):
         host = empty_pinned(src.shape, src.dtype)
         cp.asnumpy(src, stream=stream, out=host, blocking=False)
         hosts.append(host.reshape(a.shape))
-    # captured (a CUDA graph): no event; the replay's caller waits for it
-    return hosts, None if stream.is_capturing() else stream.record()
+    # captured (a CUDA graph): no event; the replay's caller waits for it.
+    # The legacy default stream (ptr 0) is never captured: not queried.
+    return hosts, None if stream.ptr and stream.is_capturing() else stream.record()
 
 
 class GraphStream:
