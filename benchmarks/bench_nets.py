@@ -22,16 +22,24 @@ NETS = {
 }
 
 
+def split_key(key):
+    """(table key, batch or None) of ``key`` or ``key:batch``."""
+    base, _, batch = key.partition(":")
+    return base, int(batch) if batch else None
+
+
 def net_param(key, zoo=ZOO, batch=None):
-    """(NetParameter, batch) to train ``key`` at ``batch`` (default: the
-    table's): data layers replaced by Input layers of the batch's shape; a
-    deploy net gets a label input and a loss, msra fillers where it names
-    none, and batch statistics in its BatchNorm layers."""
+    """(NetParameter, batch) to train ``key`` (``key:batch`` names the
+    batch) at ``batch`` (default: the key's, else the table's): data layers
+    replaced by Input layers of the batch's shape; a deploy net gets a
+    label input and a loss, msra fillers where it names none, and batch
+    statistics in its BatchNorm layers."""
     from caffempi.io import proto_io
     from caffempi.proto import caffe_pb2
     from caffempi.timing import substitute_data_layers
+    key, keyed = split_key(key)
     _, path, shape, default_batch = NETS[key]
-    batch = batch or default_batch
+    batch = batch or keyed or default_batch
     full = REPO / path if path.startswith("models/") else Path(zoo) / path
     param = proto_io.read_net_param(str(full))
     param = substitute_data_layers(param, shape, only_unreadable=False, warn=False, batch_size=batch)

@@ -1,7 +1,7 @@
 """Training images/s on one GPU: caffempi (CuPy) against PyTorch (cuDNN)
 running the same nets, plus caffempi's per-layer forward/backward ms.
 
-    python benchmarks/gpu_speed.py [--nets lenet,cifar,alexnet,resnet50]
+    python benchmarks/gpu_speed.py [--nets lenet,cifar,alexnet,resnet50,resnet50:64]
         [--iterations 20] [--zoo ../shared/caffe-zoo] [--tf32 0,1]
 
 A training step is forward, loss, backward and an SGD-with-momentum update
@@ -29,7 +29,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
 
-from bench_nets import NETS, net_param, random_inputs  # noqa: E402
+from bench_nets import NETS, net_param, random_inputs, split_key  # noqa: E402
 
 
 def sync_ours():
@@ -119,7 +119,9 @@ def main():
         env = dict(os.environ, CUPY_TF32=str(tf32), CAFFEMPI_TF32=str(tf32),
                    CAFFEMPI_CUDA_GRAPH="1" if args.graph else os.environ.get("CAFFEMPI_CUDA_GRAPH", "0"))
         for key in args.nets.split(","):
-            name, _, _, batch = NETS[key]
+            base, keyed = split_key(key)
+            name, _, _, batch = NETS[base]
+            batch = keyed or batch
             got = {}
             for framework in args.frameworks.split(","):
                 proc = subprocess.run([sys.executable, __file__, "--iterations", str(args.iterations),
