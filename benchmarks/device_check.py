@@ -24,9 +24,10 @@ lib/libmpi.so.12 and bin/mpiexec there; MPI4PY_LIBMPI points at it);
 versions.txt (python, numpy, cupy, CUDA runtime and driver, the GPU,
 whether libcudnn.so.9 loads, NCCL, torch, protobuf, MPI); pytest tests/gpu;
 gpu_speed.py --graph on LeNet and CIFAR10-quick in strict FP32 (caffempi
-replaying CUDA graphs, rows marked r1g); benchmarks/gpu_speed.py per net (ResNet-50, AlexNet, CIFAR10-quick, LeNet,
-ResNet-50 at batch 64) in strict FP32; benchmarks/gpu_profile.py (per-layer host and GPU time) on
-ResNet-50 and AlexNet; gpu_speed.py in TF32; the profile of the small nets;
+replaying CUDA graphs, rows marked r1g); benchmarks/gpu_speed.py per net
+(ResNet-50, AlexNet, CIFAR10-quick, LeNet, ResNet-50 at batch 64) in strict
+FP32; benchmarks/gpu_profile.py (per-layer host and GPU time) on ResNet-50
+and AlexNet; gpu_speed.py in TF32; the profile of the small nets;
 then further rounds of gpu_speed.py while the budget lasts (--rounds).
 A step the budget cannot fit is written as 'skipped: budget'.
 
