@@ -123,7 +123,10 @@ def test_a_host_whose_link_goes_down_ends_the_job_within_the_timeout(cluster, da
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
         cluster.set_link(1, True)
-    assert p.returncode != 0
+    # the job's own last words when it did not fail (a flake seen once under
+    # the full suite's load: exit 0; Open MPI ending a job whose daemon it
+    # lost by SIGTERM, which ranks take as a scheduler's stop, is suspected)
+    assert p.returncode != 0, rest[-4000:]
     assert ended < 5 + 60
     errors = [line for line in rest.splitlines() if "error:" in line]
     assert len(errors) == 1, rest
