@@ -522,9 +522,9 @@ class Net:
                 mm.after_forward(i)
             for hook in after:
                 hook(i)
-        if not deferred:
-            PendingLoss(loss, self._take_checks(), self.xp).result()
-        return loss
+        if not read or not defers_reads(self.xp):
+            return loss              # the checks ran in place, or are the caller's
+        return PendingLoss(loss, self._take_checks(), self.xp).result()
 
     def _take_checks(self):
         """The (values, check) the layers deferred (Layer.check_values), taken."""
@@ -768,11 +768,9 @@ class Net:
         and next pass) while the device works.  ``start``: the first layer
         to run forward, the ones before having run already (a replayed
         pass runs its data layers apart, solvers/captured.py)."""
-        if not pending:
-            loss = self.forward_range(start)
-            self.backward_range()
-            return loss
-        loss = PendingLoss(self.forward_range(start, read=False), self._take_checks(), self.xp)
+        loss = self.forward_range(start, read=not pending)
+        if pending:
+            loss = PendingLoss(loss, self._take_checks(), self.xp)
         self.backward_range()
         return loss
 
