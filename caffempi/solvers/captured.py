@@ -30,9 +30,9 @@ HOST_FORWARD = {
     "Dropout": "draws its mask's seed on the host each forward",
     "Python": "runs the user's Python each forward",
     "HDF5Output": "writes a file each forward",
-    "Data": "reads a batch each forward", "ImageData": "reads a batch each forward",
-    "HDF5Data": "reads a batch each forward", "MemoryData": "reads a batch each forward",
-    "WindowData": "reads a batch each forward", "DummyData": "draws its data on the host",
+    "DummyData": "draws its data on the host",
+    **{data: "reads a batch each forward"
+       for data in ("Data", "ImageData", "HDF5Data", "MemoryData", "WindowData")},
 }
 
 
