@@ -275,6 +275,19 @@ def init_logging(level=logging.NOTSET, prefix="", stream=None):
 
 
 @contextlib.contextmanager
+def locally(local, name, value):
+    """Inside the block, attribute ``name`` of the threading.local ``local``
+    is ``value``; what it was (None where unset) is back after it, so
+    blocks nest."""
+    previous = getattr(local, name, None)
+    setattr(local, name, value)
+    try:
+        yield
+    finally:
+        setattr(local, name, previous)
+
+
+@contextlib.contextmanager
 def captured_log(level=logging.INFO):
     """Collect the messages caffempi logs inside the block (a list)."""
     messages = []

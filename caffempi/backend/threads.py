@@ -30,11 +30,11 @@ thread's own (thread-local), so no other thread's kernels call it.
 
 History and measurements: docs/design/cpu.md
 """
-import contextlib
 import os
 import threading
 from concurrent.futures import ThreadPoolExecutor, wait
 
+from ..common import locally
 from . import denormals
 
 _threads = None       # T, once BLAS has been set to one thread
@@ -73,17 +73,11 @@ def set_thread_count(threads):
     return previous
 
 
-@contextlib.contextmanager
 def progress(fn):
-    """Inside the block, the calling thread calls ``fn()`` after each chunk
-    it runs in :func:`for_chunks` (None: nothing); the previous function,
-    if any, is back after it (blocks nest)."""
-    previous = getattr(_local, "progress", None)
-    _local.progress = fn
-    try:
-        yield
-    finally:
-        _local.progress = previous
+    """A block inside which the calling thread calls ``fn()`` after each
+    chunk it runs in :func:`for_chunks` (None: nothing); the previous
+    function, if any, is back after it (blocks nest)."""
+    return locally(_local, "progress", fn)
 
 
 def progress_here():

@@ -15,11 +15,12 @@ kernels on its arrays (:func:`caffempi.backend.on_host`), and it is not
 NumPy, so nets defer their reads as on the GPU
 (:func:`caffempi.backend.reads.defers_reads`).
 """
-import contextlib
 import threading
 import types
 
 import numpy as np
+
+from ..common import locally
 
 
 class HostRead(AssertionError):
@@ -29,15 +30,9 @@ class HostRead(AssertionError):
 _state = threading.local()
 
 
-@contextlib.contextmanager
 def refusing_reads():
-    """Inside the block, host reads of :class:`StrictArray` values raise."""
-    before = getattr(_state, "refusing", False)
-    _state.refusing = True
-    try:
-        yield
-    finally:
-        _state.refusing = before
+    """A block inside which host reads of :class:`StrictArray` values raise."""
+    return locally(_state, "refusing", True)
 
 
 def _refuse(what):
