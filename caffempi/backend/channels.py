@@ -216,14 +216,9 @@ def available(*arrays):
     if not config.settings.compiled_channels:
         return False
     if not all(isinstance(a, np.ndarray) for a in arrays):
-        return _on_device(arrays) and _device().available(*arrays)
+        return cupy_or_none() is not None and _device().available(*arrays)
     return (all(a.dtype == np.float32 and a.flags.c_contiguous for a in arrays)
             and _kernel("backward", NO_STATS, SCALE, False, True) is not None)
-
-
-def _on_device(arrays):
-    cp = cupy_or_none()
-    return cp is not None and all(isinstance(a, cp.ndarray) for a in arrays)
 
 
 def _device():

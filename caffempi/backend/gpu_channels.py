@@ -236,8 +236,7 @@ def _sums(kernels, a, b, mask, planes, channels, size):
     chunks = max(1, -(-n // per_chunk))
     part = cp.empty((channels, chunks, 2), np.float64)
     kernels[0]((channels, chunks), (_THREADS,),
-                                (a, b, mask, part, np.int64(planes), np.int32(channels),
-                                 np.int64(size), np.int64(per_chunk)))
+               (a, b, mask, part, np.int64(planes), np.int32(channels), np.int64(size), np.int64(per_chunk)))
     return part, chunks
 
 
@@ -252,7 +251,7 @@ def _finish(kernels, part, chunks, channels, count, eps, scale, first, second, t
 def _apply(kernels, planes, channels, size, args):
     threads = min(256, -(-size // 32) * 32)
     kernels[2]((planes * channels, min(65535, -(-size // threads))), (threads,),
-                                 args + (np.int32(channels), np.int64(size)))
+               args + (np.int32(channels), np.int64(size)))
 
 
 def forward(x, y, out, stats, mean, var, std, scale=None, bias=None, relu=False, eps=0.0, block=slice(None),
