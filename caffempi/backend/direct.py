@@ -27,6 +27,15 @@ summed in a fixed order, whatever the tile, so results do not depend on the
 tile or on how images are split over threads; they differ from the GEMM
 kernels' in the last bits (another summation order).
 
+The weight gradient (:class:`WeightGradient`) turns the tile around: its
+vectors run along the outputs (dy copied with each pixel's outputs
+contiguous), its ``pixels`` are kernel taps, and it runs over the output
+pixels, ``pixels`` x 2 sums of a block of outputs by taps in registers.
+The sums start from zero every run of rows (about :data:`REDUCTION_BLOCK`
+pixels), each run is added to the band's totals and each band's to dw, in
+band order: each entry's bits do not depend on the tile, the threads (they
+split the taps) or the runs of bands.
+
 Float32 on x86-64 with AVX2 and FMA (AVX-512 used where present), what
 the kernel is written and measured for; :func:`available` is False elsewhere (no llvmlite, another
 CPU, ``CAFFEMPI_DIRECT_CONV=0``) and the callers use the GEMM kernels.
@@ -58,6 +67,10 @@ AVX2_TILE = Tile(8, 6)
 #: AVX-512's 32: 16 sums and their totals, weights and a broadcast (8
 #: pixels ran 1.5-1.7 times as fast as AVX2_TILE, 7, 9, 10 and 12 slower)
 AVX512_TILE = Tile(16, 8)
+#: the weight gradient's tile with AVX-512, ``pixels`` being kernel taps:
+#: 28 sums, two dy vectors and a broadcast (14 taps ran 1.1-1.4 times as
+#: fast as 8 on the nets' shapes; docs/design/cpu.md)
+AVX512_TAPS_TILE = Tile(16, 14)
 #: terms of the reduction summed from zero in registers before they are
 #: added to the running totals (also in registers), and the bias added
 #: last: one sum over a whole reduction, from the bias, was 1.5-3.8 times
@@ -66,6 +79,10 @@ AVX512_TILE = Tile(16, 8)
 #: shape the kernel takes (tests/layers/test_conv_direct.py,
 #: docs/design/cpu.md)
 REDUCTION_BLOCK = 32
+#: the weight gradient's input and dy rows taken at a time (a band; its
+#: sums are added to dw at its end): large images in pieces that stay in
+#: the fast caches while every tap runs over them
+BAND_BYTES = 256 << 10
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -173,11 +190,90 @@ def _forward(m):
     b.ret_void()
 
 
-def _ir(tile):
-    """The module's LLVM IR (text): ``forward`` and its tiles of ``tile``."""
-    m = _Builder(tile)
-    _forward(m)
-    return str(m.module)
+def _weight_gradient_tile(m, r):
+    """tile(x, dy, dw, totals, koff, oh, ow, x_row, sh, sw, opad, rows), for
+    the oh output rows of a band and the r taps k with input offsets
+    koff[0:r]:
+    dw[k*out_block + o] += the sum over output pixels (oy, ox) of
+    dy[(oy*ow + ox)*opad + o] * x[koff[k] + oy*sh*x_row + ox*sw], for the
+    out_block outputs o.  Summed from zero over runs of ``rows`` output
+    rows, each run's sums added to the band's ``totals`` (r*out_block
+    floats), and those to dw: three levels, more accurate than the GEMM
+    path (see :data:`REDUCTION_BLOCK`)."""
+    fn, b = m.function("weight_gradient%d" % r, [m.fp] * 4 + [m.ip] + [m.i64] * 7, internal=True)
+    x, dy, dw, totals, koff, oh, ow, x_row, sh, sw, opad, rows = fn.args
+    vector = m.tile.vector
+    zero = m.ir.Constant(m.vec, [0.0] * vector)
+    offsets = [b.load(b.gep(koff, [m.const(t)])) for t in range(r)]
+    for i in range(2 * r):
+        m.store_vector(b, zero, totals, m.const(i * vector))
+
+    def run(j, _):
+        first = b.mul(j, rows)
+
+        def row(i, sums):
+            oy = b.add(first, i)
+            xr = b.gep(x, [b.mul(b.mul(oy, sh), x_row)])
+            dr = b.gep(dy, [b.mul(b.mul(oy, ow), opad)])
+
+            def pixel(ox, sums):
+                at = b.mul(ox, opad)
+                d = [m.vector_at(b, dr, b.add(at, m.const(v * vector))) for v in range(2)]
+                xp = b.gep(xr, [b.mul(ox, sw)])
+                out = []
+                for t in range(r):
+                    spread = m.spread(b, b.load(b.gep(xp, [offsets[t]])))
+                    out += [b.call(m.fma, [spread, d[v], sums[2 * t + v]]) for v in range(2)]
+                return out
+            return m.counted(b, ow, pixel, sums)
+        sums = m.counted(b, m.smaller(b, b.sub(oh, first), rows), row, [zero] * (2 * r))
+        for i, s in enumerate(sums):
+            at = m.const(i * vector)
+            m.store_vector(b, b.fadd(m.vector_at(b, totals, at), s), totals, at)
+    m.counted(b, b.sdiv(b.add(oh, b.sub(rows, m.const(1))), rows), run)
+    for i in range(2 * r):
+        at = m.const(i * vector)
+        m.store_vector(b, b.fadd(m.vector_at(b, dw, at), m.vector_at(b, totals, at)), dw, at)
+    b.ret_void()
+    return fn
+
+
+def _weight_gradient(m):
+    """weight_gradient(x, dy, dw, totals, koff, bands, K, k_first, k_count,
+    block, oh, ow, x image stride, x row stride, sh, sw, opad, rows,
+    band_rows, first band): the taps k_first .. k_first+k_count of one
+    block of outputs, each summed over ``bands`` bands of ``band_rows``
+    output rows in order, from the ``first band``th of the batch on (x and
+    dy point at the batch's first image).  A band is a tile call."""
+    tiles = {r: _weight_gradient_tile(m, r) for r in range(1, m.tile.pixels + 1)}
+    fn, b = m.function("weight_gradient", [m.fp] * 4 + [m.ip] + [m.i64] * 15)
+    (x, dy, dw, totals, koff, bands, k_len, k_first, k_count, block, oh, ow, x_image, x_row, sh, sw, opad,
+     rows, band_rows, first_band) = fn.args
+    out_block = m.const(m.tile.out_block)
+    dyb = b.gep(dy, [b.mul(block, out_block)])
+    dwb = b.gep(dw, [b.mul(b.mul(block, k_len), out_block)])
+    dy_image = b.mul(b.mul(oh, ow), opad)
+    per_image = b.sdiv(b.add(oh, b.sub(band_rows, m.const(1))), band_rows)
+
+    def taps(tile, start):
+        k = b.add(k_first, start)
+        dwk, koffk = b.gep(dwb, [b.mul(k, out_block)]), b.gep(koff, [k])
+
+        def band(i, _):
+            at = b.add(first_band, i)
+            n, oy = b.sdiv(at, per_image), b.mul(b.srem(at, per_image), band_rows)
+            xn = b.gep(x, [b.add(b.mul(n, x_image), b.mul(b.mul(oy, sh), x_row))])
+            dyn = b.gep(dyb, [b.add(b.mul(n, dy_image), b.mul(b.mul(oy, ow), opad))])
+            b.call(tile, [xn, dyn, dwk, totals, koffk, m.smaller(b, b.sub(oh, oy), band_rows), ow, x_row, sh, sw,
+                          opad, rows])
+        m.counted(b, bands, band)
+    m.tiled(b, k_count, tiles, taps)
+    b.ret_void()
+
+
+#: the signatures of the kernels, by name, and the functions that write them
+_KERNELS = {"forward": ([_P] * 5 + [_I] * 11, _forward),
+            "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient)}
 
 
 def tile_for(og):
@@ -188,12 +284,16 @@ def tile_for(og):
 
 
 @functools.lru_cache(maxsize=None)
-def compiled_for(tile):
-    """The kernel of ``tile`` compiled for this CPU as a ctypes function, or
-    None where it does not run here (any tile compiles on an AVX2 CPU: LLVM
-    splits wider vectors)."""
-    functions = llvm.compile_functions(_ir(tile), ("avx2", "fma"), {"forward": [_P] * 5 + [_I] * 11})
-    return functions and functions["forward"]
+def compiled_for(tile, kernel="forward"):
+    """The ``kernel`` (``forward`` or ``weight_gradient``) of ``tile``
+    compiled for this CPU as a ctypes function, or None where it does not
+    run here (any tile compiles on an AVX2 CPU: LLVM splits wider
+    vectors)."""
+    arguments, write = _KERNELS[kernel]
+    m = _Builder(tile)
+    write(m)
+    functions = llvm.compile_functions(str(m.module), ("avx2", "fma"), {kernel: arguments})
+    return functions and functions[kernel]
 
 
 def available():
@@ -213,6 +313,13 @@ _MIN_REDUCTION = 64
 _MAX_REDUCTION = 1536
 _MAX_OUTPUTS = 64
 _FEW_OUTPUTS = 32
+
+
+# Where the direct weight gradient beats the GEMM kernels
+# (:func:`suits_weight_gradient`).
+_TINY_PLANE = 64
+_SMALL_PLANE = 256
+_LONG_TAPS = 1536
 
 
 def suits(cg, og, geom):
@@ -268,3 +375,102 @@ def forward(xpad, w, geom, group, y, bias=None, tile=None):
                    m, k, blocks, og, oh, ow, x_image, wp, sh, sw, y_image)
     return run
 
+
+
+def weight_gradient_tile():
+    """The weight gradient's tile here: :data:`AVX512_TAPS_TILE` where the
+    CPU has AVX-512F (even where its blocks of 32 outputs pad more: the
+    8-float tile ran 1.5-2 times slower), else :data:`AVX2_TILE`."""
+    return AVX512_TAPS_TILE if llvm.has_avx512() else AVX2_TILE
+
+
+class WeightGradient:
+    """The weight gradient of a convolution by the compiled kernel, in
+    pieces for the intra-op threads: :meth:`copy_dy` for runs of images
+    first, then for each of :meth:`items` (ranges of taps: group, block of
+    outputs, first tap, taps) :meth:`run` over runs of bands in order and
+    :meth:`finish`; :meth:`result` gives dw.  Each entry of dw sums its
+    bands in order, one at a time, so the bits do not depend on the items,
+    the runs or the threads.
+
+    dy is copied with each pixel's outputs contiguous and zero-filled to
+    whole blocks: the kernel's vectors run along the outputs."""
+
+    def __init__(self, xpad, dy, geom, group, w_shape, tile=None):
+        o, cg, kh, kw = w_shape
+        n, c, hp, wp = xpad.shape
+        _, _, oh, ow = dy.shape
+        self.group, self.og, self.k = group, o // group, cg * kh * kw
+        self.tile = tile or weight_gradient_tile()
+        self.blocks = -(-self.og // self.tile.out_block)
+        opad = self.blocks * self.tile.out_block
+        self.xpad, self.dy_given, self.w_shape = xpad, dy, w_shape
+        self.dy = np.empty((group, n, oh * ow, opad), np.float32)
+        self.dw = np.zeros((group, self.blocks, self.k, self.tile.out_block), np.float32)
+        self.out = np.empty((o, self.k), np.float32)
+        self.koff = _offsets(cg, kh, kw, hp, wp, geom[6], geom[7])
+        self.kernel = compiled_for(self.tile, "weight_gradient")
+        # bands from the outputs, not the tile's padded blocks: the same
+        # bands, so the same bits, with either tile
+        row_bytes = 4 * (c * geom[2] * wp + ow * self.og)
+        band_rows = max(1, min(oh, BAND_BYTES // row_bytes))
+        #: bands in the batch (rows of an image, in image order) and the
+        #: bytes of input and dy each reads
+        self.bands = n * -(-oh // band_rows)
+        self.band_bytes = band_rows * row_bytes
+        self.sizes = (oh, ow, c * hp * wp, wp, geom[2], geom[3], opad, max(1, REDUCTION_BLOCK // ow), band_rows)
+
+    def copy_dy(self, a, m):
+        """Copies images a .. a+m-1 of dy into the kernel's layout."""
+        g, og = self.group, self.og
+        part = self.dy[:, a:a + m]
+        given = self.dy_given[a:a + m]
+        np.copyto(part[..., :og], given.reshape(m, g, og, -1).transpose(1, 0, 3, 2))
+        part[..., og:] = 0
+
+    def items(self, parts):
+        """(group, block, first tap, taps): each group's and block's taps
+        in ranges of whole tiles, at least ``parts`` items (the threads) and
+        a multiple of them where the tiles allow, so no thread idles."""
+        tiles = -(-self.k // self.tile.pixels)
+        pieces = self.group * self.blocks
+        ranges = next((r for r in range(-(-parts // pieces), tiles + 1) if r * pieces % parts == 0),
+                      min(tiles, -(-parts // pieces)))
+        per = -(-tiles // ranges) * self.tile.pixels
+        return [(g, b, k, min(per, self.k - k)) for g in range(self.group) for b in range(self.blocks)
+                for k in range(0, self.k, per)]
+
+    def run(self, item, a, m):
+        """Adds bands a .. a+m-1's sums to the taps of ``item``."""
+        g, block, k_first, k_count = item
+        cg, hp, wp = self.w_shape[1], self.xpad.shape[2], self.xpad.shape[3]
+        totals = np.empty(self.tile.pixels * self.tile.out_block, np.float32)
+        x = self.xpad.ctypes.data + self.xpad.itemsize * g * cg * hp * wp
+        self.kernel(x, self.dy[g].ctypes.data, self.dw[g].ctypes.data, totals.ctypes.data,
+                    self.koff.ctypes.data, m, self.k, k_first, k_count, block, *self.sizes, a)
+
+    def finish(self, item):
+        """Writes ``item``'s sums, over every band, to :meth:`result`."""
+        g, block, k_first, k_count = item
+        first = block * self.tile.out_block
+        valid = min(self.tile.out_block, self.og - first)
+        rows = self.out[g * self.og + first:g * self.og + first + valid]
+        np.copyto(rows[:, k_first:k_first + k_count], self.dw[g, block, k_first:k_first + k_count, :valid].T)
+
+    def result(self):
+        """dw (O, C/group, kh, kw)."""
+        return self.out.reshape(self.w_shape)
+
+
+def suits_weight_gradient(cg, og, geom, p):
+    """Whether the weight gradient of a convolution of ``cg`` input and
+    ``og`` output channels a group, window ``geom`` and ``p`` output pixels
+    an image runs faster by the direct kernel than by the GEMM kernels
+    here: a window over one pixel (strided 1x1 convolutions read their
+    input sparsely), and at most :data:`_FEW_OUTPUTS` outputs a group, at
+    most :data:`_TINY_PLANE` output pixels, or a reduction of at least
+    :data:`_LONG_TAPS` over at most :data:`_SMALL_PLANE` pixels
+    (docs/design/cpu.md, "The weight gradient")."""
+    taps = cg * geom[0] * geom[1]
+    return (geom[0] * geom[1] > 1
+            and (og <= _FEW_OUTPUTS or p <= _TINY_PLANE or (p <= _SMALL_PLANE and taps >= _LONG_TAPS)))

@@ -250,6 +250,25 @@ def _direct_forward(s, x, w, bias, y):
     each_chunk(parts, direct.forward(xpad, w, s.geom, s.group, y, bias))
 
 
+def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
+    """The compiled weight-gradient kernel (see
+    :class:`caffempi.backend.direct.WeightGradient`): dy copied by chunks
+    of images, then the threads split the taps, each running over the
+    bands of images in chunks that stay in cache."""
+    gradient = direct.WeightGradient(np.ascontiguousarray(_pad(x, s.geom[4], s.geom[5])), dy, s.geom, s.group,
+                                     w.shape)
+    each_chunk(chunks(s.n, dy[0].nbytes), gradient.copy_dy)
+    parts = chunks(gradient.bands, gradient.band_bytes)
+    items = gradient.items(threads.thread_count())
+
+    def item(i):
+        for a, m in parts:
+            gradient.run(items[i], a, m)
+        gradient.finish(items[i])
+    threads.for_chunks(len(items), item)
+    return None, gradient.result()
+
+
 # ------------------------------------------------------------------- row taps
 def _unfold_width(xpad, geom, ow, out):
     """The padded batch (N, C, Hp, Wp) unfolded along the kernel width into
@@ -601,6 +620,8 @@ DATA_GRADIENT = (
 
 WEIGHT_GRADIENT = (
     Algorithm("pointwise", lambda s: is_pointwise(s.geom), _pointwise_backward),
+    Algorithm("direct", lambda s: s.dtype == np.float32 and direct.suits_weight_gradient(s.cg, s.og, s.geom, s.p)
+              and direct.available(), _direct_weight_gradient),
     Algorithm("row_taps_per_image", lambda s: by_row_taps(s.geom, s.cg, s.p) and dw_per_image(s.geom, s.cg, s.og, s.p),
               _row_taps_per_image_weight_gradient),
     Algorithm("row_taps", lambda s: by_row_taps(s.geom, s.cg, s.p), _row_taps_weight_gradient),
