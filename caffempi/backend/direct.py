@@ -1,4 +1,4 @@
-"""Direct convolution on the CPU: a register-tiled kernel written in LLVM IR,
+"""Direct convolution on the CPU: register-tiled kernels written in LLVM IR,
 compiled for this machine at first use and called through ctypes, which
 releases the GIL (backend/llvm.py).
 
@@ -35,6 +35,12 @@ The sums start from zero every run of rows (about :data:`REDUCTION_BLOCK`
 pixels), each run is added to the band's totals and each band's to dw, in
 band order: each entry's bits do not depend on the tile, the threads (they
 split the taps) or the runs of bands.
+
+The data gradient (:class:`DataGradient`, stride 1) runs the forward's
+tiles over dy with the weights flipped, input and output channels
+swapped, and sums each row of dx over the kernel rows that reach it only:
+its terms are ordered (kernel row, output, kernel column), so those rows
+are one run of them, and dy's rows need no zero rows above or below.
 
 Float32 on x86-64 with AVX2 and FMA (AVX-512 used where present), what
 the kernel is written and measured for; :func:`available` is False elsewhere (no llvmlite, another
@@ -271,9 +277,48 @@ def _weight_gradient(m):
     b.ret_void()
 
 
+def _data_gradient(m):
+    """data_gradient(dy, w, zeros, dx, koff, images, terms a kernel row,
+    blocks, channels, kh, oh, h, wd, ph, dy image stride, dy row, dx image
+    stride): the forward's tiles over dy with the weights flipped, a block
+    of channels by pixels of a dx row at a time, each row summing the
+    kernel rows that reach it only: the terms are ordered (kernel row,
+    output, kernel column), so those rows are one run of them."""
+    tiles = {r: _forward_tile(m, r) for r in range(1, m.tile.pixels + 1)}
+    fn, b = m.function("data_gradient", [m.fp] * 4 + [m.ip] + [m.i64] * 12)
+    (dy, w, zeros, dx, koff, images, row_terms, blocks, channels, kh, oh, h, wd, ph, dy_image, dy_row,
+     dx_image) = fn.args
+    plane = b.mul(h, wd)
+    one = m.const(1)
+
+    def image(n, _):
+        dyn, dxn = b.gep(dy, [b.mul(n, dy_image)]), b.gep(dx, [b.mul(n, dx_image)])
+
+        def block(ob, _):
+            first = b.mul(ob, m.const(m.tile.out_block))
+            wb, dxb, valid = b.gep(w, [b.mul(b.mul(ob, b.mul(kh, row_terms)), m.const(m.tile.out_block))]), \
+                b.gep(dxn, [b.mul(first, plane)]), b.sub(channels, first)
+
+            def row(yy, _):
+                y = b.add(yy, ph)
+                i_first = m.larger(b, m.const(0), b.sub(y, b.sub(oh, one)))
+                i_last = m.smaller(b, b.sub(kh, one), y)
+                k_first = b.mul(i_first, row_terms)
+                k_len = b.mul(m.larger(b, m.const(0), b.add(b.sub(i_last, i_first), one)), row_terms)
+                wk, koffk = b.gep(wb, [b.mul(k_first, m.const(m.tile.out_block))]), b.gep(koff, [k_first])
+                dyr, dxr = b.gep(dyn, [b.mul(y, dy_row)]), b.gep(dxb, [b.mul(yy, wd)])
+                m.tiled(b, wd, tiles, lambda tile, x: b.call(
+                    tile, [b.gep(dyr, [x]), wk, zeros, b.gep(dxr, [x]), koffk, k_len, one, plane, valid]))
+            m.counted(b, h, row)
+        m.counted(b, blocks, block)
+    m.counted(b, images, image)
+    b.ret_void()
+
+
 #: the signatures of the kernels, by name, and the functions that write them
 _KERNELS = {"forward": ([_P] * 5 + [_I] * 11, _forward),
-            "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient)}
+            "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient),
+            "data_gradient": ([_P] * 5 + [_I] * 12, _data_gradient)}
 
 
 def tile_for(og):
@@ -285,7 +330,7 @@ def tile_for(og):
 
 @functools.lru_cache(maxsize=None)
 def compiled_for(tile, kernel="forward"):
-    """The ``kernel`` (``forward`` or ``weight_gradient``) of ``tile``
+    """The ``kernel`` (``forward``, ``weight_gradient`` or ``data_gradient``) of ``tile``
     compiled for this CPU as a ctypes function, or None where it does not
     run here (any tile compiles on an AVX2 CPU: LLVM splits wider
     vectors)."""
@@ -474,3 +519,73 @@ def suits_weight_gradient(cg, og, geom, p):
     taps = cg * geom[0] * geom[1]
     return (geom[0] * geom[1] > 1
             and (og <= _FEW_OUTPUTS or p <= _TINY_PLANE or (p <= _SMALL_PLANE and taps >= _LONG_TAPS)))
+
+
+class DataGradient:
+    """dx of a stride-1, undilated convolution by the forward's compiled
+    tiles (the AVX-512 tile where the CPU has it, whatever the channels): the
+    convolution of dy with the weights flipped (input and output channels
+    swapped), where each row of dx sums only the kernel rows that reach it
+    (no zero rows above or below dy, which the flipped convolution of
+    :mod:`caffempi.backend.cpu.conv` pays for) and dy's columns sit between
+    zeros.  :meth:`run` for runs of images (on the intra-op threads), then
+    :meth:`result`; each entry is summed in one order whatever the runs.
+
+    Layouts: dy copied per image, output and row between ``kw - 1`` zero
+    columns before and enough after; the weights as (group, blocks of
+    out_block channels, kh * O/group * kw terms, out_block), zero past
+    C/group."""
+
+    def __init__(self, dy, w, geom, group, x_shape, tile=None):
+        o, cg, kh, kw = w.shape
+        n, c, h, wd = x_shape
+        _, _, oh, ow = dy.shape
+        self.tile = tile or (AVX512_TILE if llvm.has_avx512() else AVX2_TILE)
+        out_block = self.tile.out_block
+        self.group, self.og, self.cg = group, o // group, cg
+        self.blocks = -(-cg // out_block)
+        self.geom, self.x_shape, self.dy_given = geom, x_shape, dy
+        self.before = kw - 1
+        row = self.before + max(ow, wd + geom[5])
+        self.dy = np.zeros((n, o, oh, row), np.float32)
+        # terms (kernel row, output, kernel column), channels last, in blocks
+        wt = w.reshape(group, self.og, cg, kh, kw).transpose(0, 3, 1, 4, 2).reshape(group, -1, cg)
+        wr = np.zeros((group, kh * self.og * kw, self.blocks * out_block), np.float32)
+        wr[..., :cg] = wt
+        self.w = np.ascontiguousarray(wr.reshape(group, -1, self.blocks, out_block).transpose(0, 2, 1, 3))
+        i, o_, j = np.meshgrid(np.arange(kh), np.arange(self.og), np.arange(kw), indexing="ij")
+        self.koff = np.ascontiguousarray((o_ * oh * row - i * row - j).ravel(), np.int64)
+        self.zeros = np.zeros(out_block, np.float32)
+        self.dx = np.empty(x_shape, np.float32)
+        self.kernel = compiled_for(self.tile, "data_gradient")
+
+    def run(self, a, m):
+        """dx of images a .. a+m-1 (into :meth:`result`'s array)."""
+        kh, kw, _, _, ph, pw = self.geom[:6]
+        n, c, h, wd = self.x_shape
+        _, o, oh, row = self.dy.shape
+        ow = self.dy_given.shape[3]
+        self.dy[a:a + m, :, :, self.before:self.before + ow] = self.dy_given[a:a + m]
+        dy_image, dx_image = o * oh * row, c * h * wd
+        for g in range(self.group):
+            dy = self.dy.ctypes.data + 4 * (a * dy_image + g * self.og * oh * row + self.before + pw)
+            dx = self.dx.ctypes.data + 4 * (a * dx_image + g * self.cg * h * wd)
+            self.kernel(dy, self.w[g].ctypes.data, self.zeros.ctypes.data, dx, self.koff.ctypes.data, m,
+                        self.og * kw, self.blocks, self.cg, kh, oh, h, wd, ph, dy_image, row, dx_image)
+
+    def result(self):
+        """dx (N, C, H, W)."""
+        return self.dx
+
+
+def suits_data_gradient(cg, geom, plane):
+    """Whether the data gradient of a convolution of ``cg`` input channels
+    a group, window ``geom`` and input planes of ``plane`` pixels runs
+    faster by the direct kernel (:class:`DataGradient`) than by the other
+    algorithms here: stride 1, no dilation, a window over more than one
+    pixel, at least :data:`_FEW_OUTPUTS` channels a group (its blocks of
+    outputs are the channels) and planes of at most :data:`_SMALL_PLANE`
+    pixels, where the flipped convolution's zero rows weigh
+    (docs/design/cpu.md, "The data gradient")."""
+    return (geom[2] == geom[3] == geom[6] == geom[7] == 1 and geom[0] * geom[1] > 1
+            and cg >= _FEW_OUTPUTS and plane <= _SMALL_PLANE)

@@ -26,6 +26,12 @@ def forced_weight_gradient(monkeypatch):
     monkeypatch.setattr(direct, "suits_weight_gradient", lambda cg, og, geom, p: True)
 
 
+@pytest.fixture
+def forced_data_gradient(monkeypatch):
+    monkeypatch.setattr(direct, "suits_data_gradient",
+                        lambda cg, geom, plane: geom[2] == geom[3] == geom[6] == geom[7] == 1)
+
+
 def rand(shape, seed):
     return np.random.RandomState(seed).randn(*shape).astype(np.float32)
 
@@ -150,6 +156,54 @@ def test_weight_gradient_same_bits_for_any_tile_thread_count_and_chunking(forced
         assert np.array_equal(one, other), (tile, thread_count, chunk_bytes)
 
 
+# stride 1 and no dilation, as the direct data gradient takes: padding
+# below, at and past the kernel's reach, even kernels, groups, channels
+# past a block, rows shorter and longer than a tile
+DATA_GRADIENT_GEOMETRIES = [
+    (2, 3, 9, 11, 16, 3, 3, (1, 1), 1),
+    (3, 4, 8, 5, 20, 3, 3, (0, 0), 1),
+    (2, 6, 13, 17, 34, 3, 5, (1, 2), 2),
+    (2, 40, 12, 12, 50, 5, 5, (0, 0), 1),
+    (1, 13, 21, 37, 3, 4, 2, (2, 1), 1),
+    (2, 34, 7, 7, 24, 3, 3, (3, 1), 1),
+]
+
+
+@pytest.mark.parametrize("n,c,h,w,o,kh,kw,pad,group", DATA_GRADIENT_GEOMETRIES)
+def test_data_gradient_matches_the_float64_gemm_path(forced_data_gradient, n, c, h, w, o, kh, kw, pad, group):
+    x = rand((n, c, h, w), 0)
+    weights = rand((o, c // group, kh, kw), 1)
+    geom = (kh, kw, 1, 1) + pad + (1, 1)
+    dy = rand(cpu.conv2d_forward(x, weights, geom, group).shape, 2)
+    with pytest.MonkeyPatch.context() as patch:
+        made = counting(patch, "DataGradient")
+        gx, gw = cpu.conv2d_backward(x, weights, dy, geom, group, need_dw=False)
+    assert made and gw is None and gx.dtype == np.float32 and gx.shape == x.shape
+    ref, _ = cpu.conv2d_backward(x.astype(np.float64), weights.astype(np.float64), dy.astype(np.float64), geom,
+                                 group, need_dw=False)
+    np.testing.assert_allclose(gx, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_data_gradient_same_bits_for_any_tile_thread_count_and_chunking(forced_data_gradient, monkeypatch):
+    x = rand((7, 40, 11, 13), 0)
+    weights = rand((48, 20, 3, 5), 1)
+    geom = (3, 5, 1, 1, 1, 2, 1, 1)
+    dy = rand(cpu.conv2d_forward(x, weights, geom, 2).shape, 2)
+    results = []
+    for tile, thread_count, chunk_bytes in ((direct.AVX2_TILE, 1, 1 << 30), (direct.AVX512_TILE, 2, 1),
+                                            (direct.AVX512_TILE, 3, 30000)):
+        monkeypatch.setattr(chunking, "COL_CHUNK_BYTES", chunk_bytes)
+        previous = threads.set_thread_count(thread_count)
+        try:
+            with pytest.MonkeyPatch.context() as patch:
+                real = direct.DataGradient
+                patch.setattr(direct, "DataGradient", lambda *a, tile=tile: real(*a, tile=tile))
+                results.append(cpu.conv2d_backward(x, weights, dy, geom, 2, need_dw=False)[0])
+        finally:
+            threads.set_thread_count(previous)
+    assert all(np.array_equal(results[0], other) for other in results[1:])
+
+
 def test_same_bits_for_any_thread_count_and_chunking(forced, monkeypatch):
     x = rand((13, 8, 12, 12), 0)
     weights = rand((32, 8, 5, 5), 1)
@@ -182,13 +236,17 @@ def test_used_only_where_it_suits_and_allowed(monkeypatch):
     assert direct.suits(64, 32, (5, 5, 1, 1)) and not direct.suits(256, 64, (3, 3, 1, 1))
 
 
-def test_weight_gradient_used_only_where_it_suits_and_allowed(monkeypatch):
+def counting(patch, kernel):
+    """The argument tuples of each ``direct.<kernel>`` made from now on."""
     made = []
-    real = direct.WeightGradient
-    monkeypatch.setattr(direct, "WeightGradient", lambda *a: made.append(a) or real(*a))
-    x = rand((2, 32, 8, 8), 0)
-    weights = rand((32, 32, 5, 5), 1)
-    dy = rand((2, 32, 8, 8), 2)
+    real = getattr(direct, kernel)
+    patch.setattr(direct, kernel, lambda *a, **k: made.append(a) or real(*a, **k))
+    return made
+
+
+def test_weight_gradient_used_only_where_it_suits_and_allowed(monkeypatch):
+    made = counting(monkeypatch, "WeightGradient")
+    x, weights, dy = rand((2, 32, 8, 8), 0), rand((32, 32, 5, 5), 1), rand((2, 32, 8, 8), 2)
     geom = (5, 5, 1, 1, 2, 2, 1, 1)
     cpu.conv2d_backward(x, weights, dy, geom, 1)                                # CIFAR10-quick conv2
     assert len(made) == 1
@@ -203,6 +261,26 @@ def test_weight_gradient_used_only_where_it_suits_and_allowed(monkeypatch):
     assert suits(512, 512, (3, 3, 1, 1), 49) and suits(256, 256, (3, 3, 1, 1), 196)     # ResNet-50 res5, res4
     assert not suits(128, 128, (3, 3, 1, 1), 784) and not suits(3, 96, (11, 11, 4, 4), 3025)
     assert not suits(1024, 2048, (1, 1, 2, 2), 49)                                        # a strided projection
+
+
+def test_data_gradient_used_only_where_it_suits_and_allowed(monkeypatch):
+    made = counting(monkeypatch, "DataGradient")
+    x, weights, dy = rand((2, 32, 8, 8), 0), rand((64, 32, 5, 5), 1), rand((2, 64, 8, 8), 2)
+    geom = (5, 5, 1, 1, 2, 2, 1, 1)
+    cpu.conv2d_backward(x, weights, dy, geom, 1, need_dw=False)                  # CIFAR10-quick conv3
+    assert len(made) == 1
+    with using_config(direct_conv=False):
+        cpu.conv2d_backward(x, weights, dy, geom, 1, need_dw=False)
+    cpu.conv2d_backward(x.astype(np.float64), weights.astype(np.float64), dy.astype(np.float64), geom, 1,
+                        need_dw=False)
+    cpu.conv2d_backward(x, weights, dy, geom, 1, need_dx=False)
+    assert len(made) == 1
+    suits = direct.suits_data_gradient
+    assert suits(32, (5, 5, 1, 1, 2, 2, 1, 1), 256) and suits(512, (3, 3, 1, 1, 1, 1, 1, 1), 49)
+    assert not suits(20, (5, 5, 1, 1, 0, 0, 1, 1), 144)              # LeNet conv2: 20 channels
+    assert not suits(64, (3, 3, 1, 1, 1, 1, 1, 1), 3136)             # ResNet-50 res2: a large plane
+    assert not suits(128, (3, 3, 2, 2, 1, 1, 1, 1), 784) and not suits(64, (3, 3, 1, 1, 2, 2, 2, 2), 196)
+    assert not suits(256, (1, 1, 1, 1, 0, 0, 1, 1), 196)
 
 
 def test_lets_other_threads_run():
@@ -285,21 +363,52 @@ WEIGHT_GRADIENT_SHAPES = {
 }
 
 
-@pytest.mark.parametrize("name", sorted(WEIGHT_GRADIENT_SHAPES))
-def test_weight_gradient_as_accurate_as_the_gemm_path(name):
-    n, c, h, w, o, k, stride, pad = WEIGHT_GRADIENT_SHAPES[name]
+def assert_gradient_as_accurate_as_the_gemm_path(n, c, h, w, o, k, stride, pad, which):
+    """The direct path's gradient ``which`` (0: dx, 1: dw) against float64
+    no worse than the GEMM path's, rms and largest error (10% slack)."""
     geom = (k, k, stride, stride, pad, pad, 1, 1)
     oh = cpu.conv_out_size(h, k, stride, pad, 1)
-    assert direct.suits_weight_gradient(c, o, geom, oh * oh), "%s no longer takes the direct kernel" % name
     rng = np.random.RandomState(0)
     x = rng.standard_normal((n, c, h, w)).astype(np.float32)
     weights = (rng.standard_normal((o, c, k, k)) / np.sqrt(c * k * k)).astype(np.float32)
     dy = rng.standard_normal((n, o, oh, oh)).astype(np.float32)
-    _, dw_ref = cpu.conv2d_backward(x.astype(np.float64), weights.astype(np.float64), dy.astype(np.float64), geom, 1,
-                                    need_dx=False)
+    asked = {"need_dx": which == 0, "need_dw": which == 1}
+    ref = cpu.conv2d_backward(x.astype(np.float64), weights.astype(np.float64), dy.astype(np.float64), geom, 1,
+                              **asked)[which]
     errors = {}
     for path, on in (("direct", True), ("gemm", False)):
         with using_config(direct_conv=on):
-            errors[path] = _errors(cpu.conv2d_backward(x, weights, dy, geom, 1, need_dx=False)[1], dw_ref)
+            errors[path] = _errors(cpu.conv2d_backward(x, weights, dy, geom, 1, **asked)[which], ref)
     (rms, top), (gemm_rms, gemm_top) = errors["direct"], errors["gemm"]
     assert rms <= 1.1 * gemm_rms and top <= 1.1 * gemm_top, errors
+
+
+@pytest.mark.parametrize("name", sorted(WEIGHT_GRADIENT_SHAPES))
+def test_weight_gradient_as_accurate_as_the_gemm_path(name):
+    n, c, h, w, o, k, stride, pad = WEIGHT_GRADIENT_SHAPES[name]
+    oh = cpu.conv_out_size(h, k, stride, pad, 1)
+    assert direct.suits_weight_gradient(c, o, (k, k, stride, stride), oh * oh), \
+        "%s no longer takes the direct kernel" % name
+    assert_gradient_as_accurate_as_the_gemm_path(n, c, h, w, o, k, stride, pad, 1)
+
+
+# The direct data gradient's shapes in CIFAR10-quick, CaffeNet, ResNet-50
+# and GoogLeNet at their benchmark batches: no worse than the GEMM path's
+# against float64 (10% slack; issue 40)
+DATA_GRADIENT_SHAPES = {
+    "cifar10_quick conv2": (100, 32, 16, 16, 32, 5, 2),
+    "cifar10_quick conv3": (100, 32, 8, 8, 64, 5, 2),
+    "caffenet conv3": (8, 256, 13, 13, 384, 3, 1),
+    "resnet50 res4 3x3": (8, 256, 14, 14, 256, 3, 1),
+    "resnet50 res5 3x3": (8, 512, 7, 7, 512, 3, 1),
+    "googlenet inception_4a 3x3": (8, 96, 14, 14, 208, 3, 1),
+    "googlenet inception_5b 5x5": (8, 48, 7, 7, 128, 5, 2),
+}
+
+
+@pytest.mark.parametrize("name", sorted(DATA_GRADIENT_SHAPES))
+def test_data_gradient_as_accurate_as_the_gemm_path(name):
+    n, c, h, w, o, k, pad = DATA_GRADIENT_SHAPES[name]
+    assert direct.suits_data_gradient(c, (k, k, 1, 1, pad, pad, 1, 1), h * w), \
+        "%s no longer takes the direct kernel" % name
+    assert_gradient_as_accurate_as_the_gemm_path(n, c, h, w, o, k, 1, pad, 0)

@@ -15,9 +15,11 @@ The algorithms:
 
 * ``pointwise``: a 1x1, stride 1, unpadded convolution is a batched GEMM on
   the input itself.
-* ``direct``: the compiled kernel of :mod:`caffempi.backend.direct`
-  (float32, few outputs a group, or strided): it keeps its sums in
-  registers where these skinny GEMMs pack their operands for few outputs.
+* ``direct``: the compiled kernels of :mod:`caffempi.backend.direct`
+  (float32; the forward for few outputs a group or strided, the weight
+  gradient for few outputs or small planes, the data gradient at stride 1
+  over small planes): they keep their sums in registers where these skinny
+  GEMMs pack their operands for few outputs.
 * ``row_taps``: with vertical stride 1, the input is unfolded along the
   kernel width only (kw times its size) and the product split by kernel
   row: row i's part reads a contiguous column range of that unfolding, which
@@ -267,6 +269,15 @@ def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
         gradient.finish(items[i])
     threads.for_chunks(len(items), item)
     return None, gradient.result()
+
+
+def _direct_data_gradient(s, x, w, dy, need_dx, need_dw):
+    """The compiled data-gradient kernel (see
+    :class:`caffempi.backend.direct.DataGradient`), on chunks of images."""
+    gradient = direct.DataGradient(dy, w, s.geom, s.group, (s.n, s.c, s.h, s.w))
+    per_image = dy[0].nbytes + s.c * s.h * s.w * s.dtype.itemsize
+    each_chunk(chunks(s.n, per_image, multiple=threads.thread_count()), gradient.run)
+    return gradient.result(), None
 
 
 # ------------------------------------------------------------------- row taps
@@ -614,6 +625,8 @@ FORWARD = (
 
 DATA_GRADIENT = (
     Algorithm("pointwise", lambda s: is_pointwise(s.geom), _pointwise_backward),
+    Algorithm("direct", lambda s: s.dtype == np.float32 and direct.suits_data_gradient(s.cg, s.geom, s.h * s.w)
+              and direct.available(), _direct_data_gradient),
     Algorithm("flipped_convolution", _flipped_convolution_suits, _flipped_data_gradient),
     Algorithm("columns", _always, _columns_backward),
 )
