@@ -8,16 +8,23 @@ same weights and read the same records.
 For each solver: Caffe writes the snapshot (``max_iter: 0``,
 ``random_seed: 1701``), then ``caffe train --snapshot`` and ``python -m
 caffempi train --snapshot`` run 20 iterations with ``display: 1``; the
-line gives the largest relative difference of the 21 losses, and that of a
+line gives the largest relative difference of the 21 losses, that of a
 second caffempi run with ``CAFFEMPI_DIRECT_CONV=0`` (the GEMM kernels
-only).  (brocolli-caffe's ``caffe train`` ignores ``--weights``, hence the
+only), and that of Caffe itself run again on another OpenBLAS core type
+(Haswell's kernels instead of SkylakeX's, Sandybridge's instead of
+Haswell's): another summation order in the same program.  A solver whose
+Caffe runs differ from each other by more than the tolerance follows a
+trajectory that the last bits of its sums decide (RMSProp at lr 0.01
+diverges); it is reported as such and not held to the tolerance.
+(brocolli-caffe's ``caffe train`` ignores ``--weights``, hence the
 snapshot.)
 
     python benchmarks/caffe_trajectories.py --caffe PATH [--solvers a,b] [--keep DIR]
 
 PATH: a ``caffe`` binary (benchmarks/build_caffe.sh); its runs get
-OPENBLAS_CORETYPE for this CPU.  Exits 1 if a solver's losses differ by
-more than ``--tolerance`` (default 1e-3).
+OPENBLAS_CORETYPE for this CPU.  Exits 1 if the losses of a solver whose
+Caffe runs agree differ from Caffe's by more than ``--tolerance`` (default
+1e-3).
 """
 import argparse
 import os
@@ -39,6 +46,8 @@ SOLVERS = ("lenet_solver", "lenet_multistep_solver", "lenet_solver_adam", "lenet
            "lenet_solver_rmsprop", "mnist_autoencoder_solver", "mnist_autoencoder_solver_adadelta",
            "mnist_autoencoder_solver_adagrad", "mnist_autoencoder_solver_nesterov")
 ITERATIONS = 20
+# Caffe's second run: the OpenBLAS kernels of an older core than this one's
+OTHER_CORETYPE = {"SkylakeX": "Haswell", "Haswell": "Sandybridge"}
 
 
 def solver_text(name, work, max_iter, prefix):
@@ -93,11 +102,13 @@ def main():
     if not ZOO.is_dir() or not all(p.exists() for p in LMDBS.values()):
         sys.exit("needs %s and the MNIST LMDBs of `make demo` in examples/mnist" % ZOO)
     base = dict(os.environ, OPENBLAS_NUM_THREADS="1", OMP_NUM_THREADS="1")
-    caffe_env = dict(base, OPENBLAS_CORETYPE=openblas_coretype())
+    coretype = openblas_coretype()
+    caffe_env = dict(base, OPENBLAS_CORETYPE=coretype)
+    other_env = dict(base, OPENBLAS_CORETYPE=OTHER_CORETYPE.get(coretype, "Sandybridge"))
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(args.keep or tmp)
         work.mkdir(parents=True, exist_ok=True)
-        print("%-36s %12s %12s  Caffe's first losses" % ("solver", "ours", "GEMM only"))
+        print("%-36s %12s %12s %12s  Caffe's first losses" % ("solver", "ours", "GEMM only", "Caffe again"))
         worst = 0.0
         for name in args.solvers.split(","):
             init = work / (name + "_init.prototxt")
@@ -106,13 +117,17 @@ def main():
             solver = work / (name + ".prototxt")
             solver.write_text(solver_text(name, work, ITERATIONS, None))
             resume = "--snapshot=%s" % (work / ("init_%s_iter_0.solverstate" % name))
-            reference = losses(run([args.caffe, "train", "--solver=%s" % solver, resume], caffe_env, work))
+            reference, again = (losses(run([args.caffe, "train", "--solver=%s" % solver, resume], env, work))
+                                for env in (caffe_env, other_env))
             ours = [losses(run([sys.executable, "-m", "caffempi", "train", "--solver=%s" % solver, resume],
                                dict(base, CAFFEMPI_DIRECT_CONV=direct), REPO)) for direct in ("1", "0")]
-            differences = [largest_relative(o, reference) for o in ours]
-            worst = max(worst, differences[0])
-            print("%-36s %12.2e %12.2e  %s" % (name, differences[0], differences[1],
-                                                " ".join("%.4g" % x for x in reference[:4])), flush=True)
+            differences = [largest_relative(o, reference) for o in ours + [again]]
+            stable = differences[2] <= args.tolerance
+            if stable:
+                worst = max(worst, differences[0])
+            print("%-36s %12.2e %12.2e %12.2e  %s%s" % (
+                name, *differences, " ".join("%.4g" % x for x in reference[:4]),
+                "" if stable else "  (Caffe differs from itself: not judged)"), flush=True)
     sys.exit(1 if worst > args.tolerance else 0)
 
 
