@@ -107,6 +107,24 @@ def test_pooling_is_bitwise_the_same_on_any_thread_count(shape, geom, small_chun
         assert np.array_equal(results[0][0][i:i + 1], y) and np.array_equal(results[0][1][i:i + 1], idx)
 
 
+@pytest.mark.parametrize("across_channels", [True, False])
+def test_lrn_is_bitwise_the_same_on_any_thread_count_and_as_one_image_at_a_time(across_channels, small_chunks,
+                                                                               thread_counts):
+    x, dy = rand((9, 7, 6, 5), 0), rand((9, 7, 6, 5), 1)
+
+    def run(x=x, dy=dy):
+        y, scale = kernels.lrn_forward(np, x, 5, 0.01, 0.75, 2.0, across_channels)
+        return y, scale, kernels.lrn_backward(np, x, y, scale, dy, 5, 0.01, 0.75, across_channels)
+    results = at_each_count(thread_counts, run)
+    # in chunks: several of them (chunks of ~2 images here)
+    assert len(chunking.chunks(9, 3 * x[0].nbytes)) > 2
+    for other in results[1:]:
+        assert all(np.array_equal(a, o) for a, o in zip(results[0], other))
+    for i in range(9):
+        alone = run(x[i:i + 1], dy[i:i + 1])
+        assert all(np.array_equal(a[i:i + 1], o) for a, o in zip(results[0], alone))
+
+
 @pytest.fixture
 def small_blocks(monkeypatch):
     """Blocks of a few elements or channels even for test-sized arrays."""

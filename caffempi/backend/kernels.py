@@ -174,30 +174,50 @@ def _negative_power(xp, scale, beta):
 def lrn_forward(xp, x, size, alpha, beta, k, across_channels):
     """Returns (y, scale): y = x * scale**-beta with Caffe's scale.  On the
     GPU across channels these steps are one kernel
-    (:func:`caffempi.backend.gpu.lrn_across_forward`)."""
-    if across_channels and not on_host(xp):
-        from . import gpu       # GPU only: the CPU runs the steps below
-        return gpu.lrn_across_forward(x, size, alpha, beta, k)
+    (:func:`caffempi.backend.gpu.lrn_across_forward`); on the CPU they run
+    on chunks of images on the intra-op threads (each image's numbers are
+    its own, so the bits do not depend on the chunks)."""
+    if not on_host(xp):
+        if across_channels:
+            from . import gpu       # GPU only: the CPU runs the steps below
+            return gpu.lrn_across_forward(x, size, alpha, beta, k)
+        return _lrn_forward(xp, x, size, alpha, beta, k, across_channels)
+    return tuple(cpu.over_images(lambda xs, ys, scales: _lrn_forward(xp, xs, size, alpha, beta, k, across_channels,
+                                                                      ys, scales),
+                                 [x], [xp.empty_like(x), xp.empty_like(x)]))
+
+
+def _lrn_forward(xp, x, size, alpha, beta, k, across_channels, y=None, scale=None):
+    """:func:`lrn_forward`'s steps, into ``y`` and ``scale`` where given."""
     pre = (size - 1) // 2
     sq = x * x
     if across_channels:
-        scale = _impl(xp, "channel_window_sum")(sq, size, pre)
-        scale *= x.dtype.type(alpha / size)
-        scale += x.dtype.type(k)
+        sums = _impl(xp, "channel_window_sum")(sq, size, pre)
+        factor, base = alpha / size, k
     else:
-        scale = _impl(xp, "spatial_window_sum")(sq, size, pre)
-        scale *= x.dtype.type(alpha / (size * size))
-        scale += x.dtype.type(1)
-    y = _negative_power(xp, scale, beta)
-    y *= x
-    return y, scale
+        sums = _impl(xp, "spatial_window_sum")(sq, size, pre)
+        factor, base = alpha / (size * size), 1
+    scale = xp.multiply(sums, x.dtype.type(factor), out=sums if scale is None else scale)
+    scale += x.dtype.type(base)
+    power = _negative_power(xp, scale, beta)
+    return xp.multiply(power, x, out=power if y is None else y), scale
 
 
 def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
-    """dx of :func:`lrn_forward` (one kernel on the GPU across channels)."""
-    if across_channels and not on_host(xp):
-        from . import gpu       # GPU only: the CPU runs the steps below
-        return gpu.lrn_across_backward(x, y, scale, dy, size, alpha, beta)
+    """dx of :func:`lrn_forward` (one kernel on the GPU across channels,
+    chunks of images on the intra-op threads on the CPU)."""
+    if not on_host(xp):
+        if across_channels:
+            from . import gpu       # GPU only: the CPU runs the steps below
+            return gpu.lrn_across_backward(x, y, scale, dy, size, alpha, beta)
+        return _lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels)
+    return cpu.over_images(lambda *chunk: _lrn_backward(xp, *chunk[:4], size, alpha, beta, across_channels,
+                                                        chunk[4]),
+                           [x, y, scale, dy], [xp.empty_like(x)])[0]
+
+
+def _lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels, dx=None):
+    """:func:`lrn_backward`'s steps, into ``dx`` where given."""
     pre = (size - 1) // 2
     t = dy * y
     t /= scale
@@ -211,8 +231,7 @@ def lrn_backward(xp, x, y, scale, dy, size, alpha, beta, across_channels):
         coef = 2.0 * alpha * beta / (size * size)
     acc *= x
     acc *= x.dtype.type(-coef)
-    acc += dy * _negative_power(xp, scale, beta)
-    return acc
+    return xp.add(acc, dy * _negative_power(xp, scale, beta), out=acc if dx is None else dx)
 
 
 def dropout_mask(xp, shape, ratio, dtype):

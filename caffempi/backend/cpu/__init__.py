@@ -19,7 +19,7 @@ Why each kernel is as it is, with the measurements and what was tried and
 not kept: docs/design/cpu.md.
 """
 from .blocks import for_channel_blocks, for_element_blocks
-from .chunking import images_per_chunk
+from .chunking import images_per_chunk, over_images
 from .conv import bias_grad, col2im, conv2d_backward, conv2d_forward, conv_out_size, im2col, is_pointwise
 from .dropout import dropout_mask, dropout_scale
 from .gemm import matmul, matmul_into
@@ -29,4 +29,5 @@ from .pool import ave_pool_backward, ave_pool_forward, max_pool_backward, max_po
 __all__ = ["ave_pool_backward", "ave_pool_forward", "bias_grad", "channel_window_sum", "col2im",
            "conv2d_backward", "conv2d_forward", "conv_out_size", "dropout_mask", "dropout_scale",
            "for_channel_blocks", "for_element_blocks", "im2col", "images_per_chunk", "is_pointwise",
-           "matmul", "matmul_into", "max_pool_backward", "max_pool_forward", "spatial_window_sum"]
+           "matmul", "matmul_into", "max_pool_backward", "max_pool_forward", "over_images",
+           "spatial_window_sum"]

@@ -35,3 +35,16 @@ def each_chunk(parts, body, fold=None):
     """body(a, m) for every (a, m) of ``parts``, on the intra-op threads;
     ``fold`` gets the results in order (see threads.for_chunks)."""
     threads.for_chunks(len(parts), lambda i: body(*parts[i]), fold)
+
+
+def over_images(fn, inputs, outs):
+    """fn(*inputs[images], *outs[images]) over chunks of images (by the size
+    of an image of inputs and outs together) on the intra-op threads, fn
+    writing its results into the chunks of outs: for kernels that treat
+    every image alike (pooling, LRN).  Returns outs."""
+    n = inputs[0].shape[0]
+
+    def chunk(a, m):
+        fn(*[t[a:a + m] for t in inputs + outs])
+    each_chunk(chunks(n, sum(t[:1].nbytes for t in inputs + outs)), chunk)
+    return outs

@@ -19,20 +19,7 @@ import numpy as np
 
 from .. import pooling
 from . import scratch
-from .chunking import chunks, each_chunk
-
-
-def _over_images(fn, inputs, outs):
-    """fn(*inputs[images], *outs[images]) over chunks of images (by the size
-    of an image of inputs and outs together) on the intra-op threads, fn
-    writing its results into the chunks of outs: the pooling kernels treat
-    every image alike.  Returns outs."""
-    n = inputs[0].shape[0]
-
-    def chunk(a, m):
-        fn(*[t[a:a + m] for t in inputs + outs])
-    each_chunk(chunks(n, sum(t[:1].nbytes for t in inputs + outs)), chunk)
-    return outs
+from .chunking import over_images
 
 
 def max_pool_forward(x, geom, oh, ow):
@@ -41,9 +28,9 @@ def max_pool_forward(x, geom, oh, ow):
     n, c = x.shape[:2]
     y, idx = np.empty((n, c, oh, ow), x.dtype), np.empty((n, c, oh, ow), np.int32)
     if pooling.available(x.dtype):
-        return tuple(_over_images(lambda t, yt, it: pooling.max_forward(t, geom, yt, it),
+        return tuple(over_images(lambda t, yt, it: pooling.max_forward(t, geom, yt, it),
                                   [np.ascontiguousarray(x)], [y, idx]))
-    return tuple(_over_images(lambda t, yt, it: numpy_max_forward(t, geom, oh, ow, yt, it), [x], [y, idx]))
+    return tuple(over_images(lambda t, yt, it: numpy_max_forward(t, geom, oh, ow, yt, it), [x], [y, idx]))
 
 
 def max_pool_backward(dy, idx, geom, x_shape):
@@ -51,18 +38,18 @@ def max_pool_backward(dy, idx, geom, x_shape):
     dx = np.empty(x_shape, dy.dtype)
     if pooling.available(dy.dtype):
         inputs = [np.ascontiguousarray(dy), np.ascontiguousarray(idx, np.int32)]
-        return _over_images(pooling.max_backward, inputs, [dx])[0]
-    return _over_images(lambda d, i, dxt: numpy_max_backward(d, i, geom, dxt), [dy, idx], [dx])[0]
+        return over_images(pooling.max_backward, inputs, [dx])[0]
+    return over_images(lambda d, i, dxt: numpy_max_backward(d, i, geom, dxt), [dy, idx], [dx])[0]
 
 
 def ave_pool_forward(x, geom, oh, ow):
     y = np.empty(x.shape[:2] + (oh, ow), x.dtype)
-    return _over_images(lambda t, yt: _ave_pool_forward(t, geom, oh, ow, yt), [x], [y])[0]
+    return over_images(lambda t, yt: _ave_pool_forward(t, geom, oh, ow, yt), [x], [y])[0]
 
 
 def ave_pool_backward(dy, geom, x_shape):
     dx = np.empty(x_shape, dy.dtype)
-    return _over_images(lambda d, dxt: _ave_pool_backward(d, geom, dxt), [dy], [dx])[0]
+    return over_images(lambda d, dxt: _ave_pool_backward(d, geom, dxt), [dy], [dx])[0]
 
 
 # ------------------------------------------------------------ NumPy MAX pooling
