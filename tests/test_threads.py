@@ -327,6 +327,34 @@ def test_progress_runs_in_the_installing_thread_after_each_of_its_chunks(count, 
         threads.set_thread_count(1)
 
 
+@pytest.mark.parametrize("count", [1, 2])
+def test_poll_inside_a_long_chunk_calls_the_installing_threads_progress(count, thread_counts):
+    """A chunk body that runs long polls between its own pieces
+    (threads.poll): the installing thread's progress runs there, helper
+    threads' polls do nothing, and outside the block nothing runs."""
+    calls = []
+    owner = threading.get_ident()
+
+    def body(i):
+        for _ in range(3):
+            time.sleep(0.002)
+            threads.poll()
+
+    threads.set_thread_count(count)
+    try:
+        with threads.progress(lambda: calls.append(threading.get_ident() == owner)):
+            threads.for_chunks(2, body)
+        assert all(calls)
+        # 3 polls in each body the installing thread ran, 1 after each chunk
+        # (on 2 threads it runs one body or both, or none if descheduled)
+        assert len(calls) == 8 if count == 1 else len(calls) in (0, 4, 8)
+        calls.clear()
+        threads.for_chunks(2, body)
+        assert not calls
+    finally:
+        threads.set_thread_count(1)
+
+
 def test_blas_is_kept_at_one_thread():
     threads.thread_count()
     blas = ThreadpoolController().select(user_api="blas").lib_controllers

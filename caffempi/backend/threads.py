@@ -85,6 +85,15 @@ def progress_here():
     return getattr(_local, "progress", None)
 
 
+def poll():
+    """Calls the calling thread's :func:`progress` function, if any: for a
+    chunk body that runs long, between its own pieces (as
+    :func:`for_chunks` calls it between chunks; helper threads have none)."""
+    fn = progress_here()
+    if fn is not None:
+        fn()
+
+
 def _executor(threads):
     global _pool
     if _pool is None or _pool[0] < threads:

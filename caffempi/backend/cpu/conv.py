@@ -256,7 +256,9 @@ def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
     """The compiled weight-gradient kernel (see
     :class:`caffempi.backend.direct.WeightGradient`): dy copied by chunks
     of images, then the threads split the taps, each running over the
-    bands of images in chunks that stay in cache."""
+    bands in chunks that stay in cache and polling the pending
+    communication between them (:func:`threads.poll`): one region, not
+    one a chunk (those cost 5-19% at 2 threads)."""
     gradient = direct.WeightGradient(np.ascontiguousarray(_pad(x, s.geom[4], s.geom[5])), dy, s.geom, s.group,
                                      w.shape)
     each_chunk(chunks(s.n, dy[0].nbytes), gradient.copy_dy)
@@ -266,6 +268,7 @@ def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
     def item(i):
         for a, m in parts:
             gradient.run(items[i], a, m)
+            threads.poll()
         gradient.finish(items[i])
     threads.for_chunks(len(items), item)
     return None, gradient.result()
