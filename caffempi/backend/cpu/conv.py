@@ -258,7 +258,7 @@ def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
     of images, then the threads split the taps, each running over the
     bands in chunks that stay in cache and polling the pending
     communication between them (:func:`threads.poll`): one region, not
-    one a chunk (those cost 5-19% at 2 threads)."""
+    one a chunk (those cost 4-19% at 2 threads)."""
     gradient = direct.WeightGradient(np.ascontiguousarray(_pad(x, s.geom[4], s.geom[5])), dy, s.geom, s.group,
                                      w.shape)
     each_chunk(chunks(s.n, dy[0].nbytes), gradient.copy_dy)
