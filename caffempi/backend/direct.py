@@ -36,6 +36,10 @@ pixels), each run is added to the band's totals and each band's to dw, in
 band order: each entry's bits do not depend on the tile, the threads (they
 split the taps) or the runs of bands.
 
+For few input channels (the first layers) :class:`PixelWeightGradient`
+runs its vectors along the output pixels instead, over the input unfolded
+along the kernel width, with no copy of dy.
+
 The data gradient (:class:`DataGradient`, stride 1) runs the forward's
 tiles over dy with the weights flipped, input and output channels
 swapped, and sums each row of dx over the kernel rows that reach it only:
@@ -105,8 +109,9 @@ class _Builder(llvm.Builder):
 
     def tiled(self, b, n, tiles, call):
         """call(tiles[pixels], start) for the whole tiles of a run of ``n``,
-        then call(tiles[r], start) for its last r < pixels."""
-        pixels = self.tile.pixels
+        then call(tiles[r], start) for its last r < pixels (``pixels``: the
+        largest key of ``tiles``)."""
+        pixels = max(tiles)
         whole = b.sdiv(n, self.const(pixels))
         rest_at = b.mul(whole, self.const(pixels))
         self.counted(b, whole, lambda t, _: call(tiles[pixels], b.mul(t, self.const(pixels))))
@@ -315,10 +320,76 @@ def _data_gradient(m):
     b.ret_void()
 
 
+def _pixel_outputs(m):
+    """Outputs a tile of :func:`_pixel_weight_gradient` takes: 4 with
+    16-float vectors (4 x 6 sums, 4 dy vectors and an input vector in 32
+    registers), 2 with 8-float ones (16 registers)."""
+    return 4 if m.tile.vector == 16 else 2
+
+
+def _pixel_weight_gradient_tile(m, ro, rt):
+    """tile(u, dy, totals, toff, vectors, p, row): for ro outputs a (dy rows
+    a*p on) and rt taps t (input rows toff[t] on), totals[a*row + t*lanes
+    + lane] += the sum over the image's ``vectors`` vectors of pixels of dy
+    * u, lane by lane, summed from zero over the image."""
+    fn, b = m.function("pixel_weight_gradient%d_%d" % (ro, rt), [m.fp] * 3 + [m.ip] + [m.i64] * 3, internal=True)
+    u, dy, totals, toff, vectors, p, row = fn.args
+    lanes = m.tile.vector
+    zero = m.ir.Constant(m.vec, [0.0] * lanes)
+    rows = [b.gep(u, [b.load(b.gep(toff, [m.const(t)]))]) for t in range(rt)]
+    outputs = [b.gep(dy, [b.mul(m.const(a), p)]) for a in range(ro)]
+
+    def step(v, sums):
+        q = b.mul(v, m.const(lanes))
+        d = [m.vector_at(b, out, q) for out in outputs]
+        updated = list(sums)
+        for t, start in enumerate(rows):
+            x = m.vector_at(b, start, q)
+            for a in range(ro):
+                updated[a * rt + t] = b.call(m.fma, [d[a], x, sums[a * rt + t]])
+        return updated
+    sums = m.counted(b, vectors, step, [zero] * (ro * rt))
+    for a in range(ro):
+        for t in range(rt):
+            at = b.add(b.mul(m.const(a), row), m.const(t * lanes))
+            m.store_vector(b, b.fadd(m.vector_at(b, totals, at), sums[a * rt + t]), totals, at)
+    b.ret_void()
+    return fn
+
+
+def _pixel_weight_gradient(m):
+    """pixel_weight_gradient(u, dy, totals, toff, images, p, K, u image,
+    dy image, o_first, o_count, t_first, t_count): for each image, every
+    tile of the outputs o_first .. o_first+o_count by the taps t_first ..
+    t_first+t_count; totals (O, K, lanes)."""
+    rt_max, ro_max = m.tile.pixels, _pixel_outputs(m)
+    tiles = {ro: {rt: _pixel_weight_gradient_tile(m, ro, rt) for rt in range(1, rt_max + 1)}
+             for ro in range(1, ro_max + 1)}
+    fn, b = m.function("pixel_weight_gradient", [m.fp] * 3 + [m.ip] + [m.i64] * 9)
+    u, dy, totals, toff, images, p, k_len, u_image, dy_image, o_first, o_count, t_first, t_count = fn.args
+    lanes = m.const(m.tile.vector)
+    row = b.mul(k_len, lanes)
+    vectors = b.sdiv(p, lanes)
+
+    def image(n, _):
+        un, dyn = b.gep(u, [b.mul(n, u_image)]), b.gep(dy, [b.mul(n, dy_image)])
+
+        def outputs(by_taps, o_start):
+            o = b.add(o_first, o_start)
+            dyo, totals_o = b.gep(dyn, [b.mul(o, p)]), b.gep(totals, [b.mul(o, row)])
+            m.tiled(b, t_count, by_taps, lambda tile, t_start: b.call(tile, [
+                un, dyo, b.gep(totals_o, [b.mul(b.add(t_first, t_start), lanes)]),
+                b.gep(toff, [b.add(t_first, t_start)]), vectors, p, row]))
+        m.tiled(b, o_count, tiles, outputs)
+    m.counted(b, images, image)
+    b.ret_void()
+
+
 #: the signatures of the kernels, by name, and the functions that write them
 _KERNELS = {"forward": ([_P] * 5 + [_I] * 11, _forward),
             "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient),
-            "data_gradient": ([_P] * 5 + [_I] * 12, _data_gradient)}
+            "data_gradient": ([_P] * 5 + [_I] * 12, _data_gradient),
+            "pixel_weight_gradient": ([_P] * 4 + [_I] * 9, _pixel_weight_gradient)}
 
 
 def tile_for(og):
@@ -589,3 +660,73 @@ def suits_data_gradient(cg, geom, plane):
     (docs/design/cpu.md, "The data gradient")."""
     return (geom[2] == geom[3] == geom[6] == geom[7] == 1 and geom[0] * geom[1] > 1
             and cg >= _FEW_OUTPUTS and plane <= _SMALL_PLANE)
+
+
+class PixelWeightGradient:
+    """The weight gradient of a convolution of few input channels at
+    vertical stride 1, vectors along the output pixels: with the input
+    unfolded along the kernel width, u[c, j, h, x] = xpad[c, h, x*sw +
+    j*dw] (rows of ow), tap (c, i, j) reads rows i*dh .. i*dh+oh of u[c, j]
+    as one contiguous run of oh*ow values beside dy's plane.  No copy of dy;
+    a tile is outputs by 6 taps, lane-wise sums from zero over an image,
+    added to lane totals (O, K, lanes), summed across the lanes at the end.
+    :meth:`unfold` for runs of images, then :meth:`run` for each of
+    :meth:`items` over runs of images in order, then :meth:`result`; each
+    total sums its images in order, so the bits do not depend on the
+    items, the runs or the threads."""
+
+    def __init__(self, xpad, dy, geom, w_shape, tile=None):
+        o, c, kh, kw = w_shape
+        n, _, hp, _ = xpad.shape
+        self.tile = tile or (Tile(16, 6) if llvm.has_avx512() else Tile(8, 6))
+        self.xpad, self.dy, self.geom, self.w_shape = xpad, np.ascontiguousarray(dy), geom, w_shape
+        self.ow, self.p = dy.shape[3], dy.shape[2] * dy.shape[3]
+        self.k = c * kh * kw
+        self.u = np.empty((n, c, kw, hp, self.ow), np.float32)
+        self.totals = np.zeros((o, self.k, self.tile.vector), np.float32)
+        c_, i, j = np.meshgrid(np.arange(c), np.arange(kh), np.arange(kw), indexing="ij")
+        self.toff = np.ascontiguousarray(((c_ * kw + j) * hp + i * geom[6]) * self.ow, np.int64).ravel()
+        self.kernel = compiled_for(self.tile, "pixel_weight_gradient")
+
+    def unfold(self, a, m):
+        """Unfolds images a .. a+m-1 along the kernel width."""
+        kh, kw, _, sw, _, _, _, dw = self.geom
+        s_n, s_c, s_h, s_w = self.xpad.strides
+        part = self.xpad[a:a + m]
+        view = np.lib.stride_tricks.as_strided(part, (m, part.shape[1], kw, part.shape[2], self.ow),
+                                               (s_n, s_c, dw * s_w, s_h, sw * s_w), writeable=False)
+        np.copyto(self.u[a:a + m], view)
+
+    def items(self, parts):
+        """(first output, outputs, first tap, taps): the outputs in up to
+        ``parts`` ranges of whole tiles (the taps whole), or the taps where
+        the outputs make one tile."""
+        o = self.w_shape[0]
+        per_tile = 4 if self.tile.vector == 16 else 2
+        tiles = -(-o // per_tile)
+        if tiles >= parts:
+            per = -(-tiles // parts) * per_tile
+            return [(f, min(per, o - f), 0, self.k) for f in range(0, o, per)]
+        taps = -(-self.k // self.tile.pixels)
+        per = -(-taps // max(1, parts // tiles)) * self.tile.pixels
+        return [(f, min(per_tile, o - f), t, min(per, self.k - t)) for f in range(0, o, per_tile)
+                for t in range(0, self.k, per)]
+
+    def run(self, item, a, m):
+        """Adds images a .. a+m-1 to the totals of ``item``."""
+        o_first, o_count, t_first, t_count = item
+        n, c, kw, hp, ow = self.u.shape
+        self.kernel(self.u.ctypes.data + 4 * a * c * kw * hp * ow, self.dy.ctypes.data + 4 * a * self.dy[0].size,
+                    self.totals.ctypes.data, self.toff.ctypes.data, m, self.p, self.k, c * kw * hp * ow,
+                    self.dy[0].size, o_first, o_count, t_first, t_count)
+
+    def result(self):
+        """dw (O, C, kh, kw)."""
+        return self.totals.sum(axis=2).reshape(self.w_shape)
+
+
+def suits_pixel_weight_gradient(c, geom, p):
+    """Whether the weight gradient of a convolution of ``c`` input channels
+    (one group) runs faster by :class:`PixelWeightGradient` here."""
+    lanes = 16 if llvm.has_avx512() else 8
+    return geom[2] == 1 and p % lanes == 0 and geom[0] * geom[1] > 1 and c <= 4

@@ -130,6 +130,55 @@ def test_weight_gradient_matches_loops(forced_weight_gradient, n, c, h, w, o, kh
     np.testing.assert_allclose(gw, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
 
 
+# few input channels at vertical stride 1, output planes of whole vectors
+# (16 and 8 lanes): pads, a horizontal stride and a dilation, outputs and
+# taps past whole tiles
+PIXEL_GEOMETRIES = [
+    (3, 1, 12, 12, 20, 5, 5, (1, 1), (0, 0), (1, 1)),
+    (2, 3, 16, 16, 7, 3, 3, (1, 1), (1, 1), (1, 1)),
+    (2, 2, 10, 37, 9, 3, 5, (1, 2), (3, 1), (1, 2)),
+    (4, 4, 20, 20, 33, 5, 5, (1, 1), (0, 2), (1, 1)),
+]
+
+
+@pytest.mark.parametrize("n,c,h,w,o,kh,kw,stride,pad,dil", PIXEL_GEOMETRIES)
+def test_pixel_weight_gradient_matches_loops(monkeypatch, n, c, h, w, o, kh, kw, stride, pad, dil):
+    monkeypatch.setattr(direct, "suits_pixel_weight_gradient", lambda c, geom, p: True)
+    x = rand((n, c, h, w), 0)
+    weights = rand((o, c, kh, kw), 1)
+    geom = (kh, kw) + stride + pad + dil
+    dy = rand(cpu.conv2d_forward(x, weights, geom, 1).shape, 2)
+    assert dy.shape[2] * dy.shape[3] % 16 == 0
+    made = counting(monkeypatch, "PixelWeightGradient")
+    gw = cpu.conv2d_backward(x, weights, dy, geom, 1, need_dx=False)[1]
+    assert made and gw.dtype == np.float32
+    ref = loop_weight_gradient(x, dy, geom, 1)
+    np.testing.assert_allclose(gw, ref, rtol=1e-4, atol=1e-4 * np.abs(ref).max())
+
+
+def test_pixel_weight_gradient_same_bits_for_any_tile_thread_count_and_chunking(monkeypatch):
+    """Each lane total sums its images in order whatever the items (outputs
+    or taps on the threads) and the runs of images; the 8-lane tile sums
+    other lanes, so it is compared with itself only."""
+    monkeypatch.setattr(direct, "suits_pixel_weight_gradient", lambda c, geom, p: True)
+    x, weights = rand((7, 3, 18, 18), 0), rand((10, 3, 3, 3), 1)
+    geom = (3, 3, 1, 1, 0, 0, 1, 1)
+    dy = rand((7, 10, 16, 16), 2)
+    for tile in (direct.Tile(16, 6), direct.Tile(8, 6)):
+        real = direct.PixelWeightGradient
+        monkeypatch.setattr(direct, "PixelWeightGradient", lambda *a, tile=tile, real=real: real(*a, tile=tile))
+        results = []
+        for thread_count, chunk_bytes in ((1, 1 << 30), (2, 1), (3, 5000)):
+            monkeypatch.setattr(chunking, "COL_CHUNK_BYTES", chunk_bytes)
+            previous = threads.set_thread_count(thread_count)
+            try:
+                results.append(cpu.conv2d_backward(x, weights, dy, geom, 1, need_dx=False)[1])
+            finally:
+                threads.set_thread_count(previous)
+        monkeypatch.setattr(direct, "PixelWeightGradient", real)
+        assert all(np.array_equal(results[0], other) for other in results[1:]), tile
+
+
 def _tiled_weight_gradient(x, weights, dy, geom, group, tile, thread_count, chunk_bytes, monkeypatch):
     monkeypatch.setattr(direct, "weight_gradient_tile", lambda: tile)
     monkeypatch.setattr(chunking, "COL_CHUNK_BYTES", chunk_bytes)
@@ -261,6 +310,10 @@ def test_weight_gradient_used_only_where_it_suits_and_allowed(monkeypatch):
     assert suits(512, 512, (3, 3, 1, 1), 49) and suits(256, 256, (3, 3, 1, 1), 196)     # ResNet-50 res5, res4
     assert not suits(128, 128, (3, 3, 1, 1), 784) and not suits(3, 96, (11, 11, 4, 4), 3025)
     assert not suits(1024, 2048, (1, 1, 2, 2), 49)                                        # a strided projection
+    pixel = direct.suits_pixel_weight_gradient
+    assert pixel(1, (5, 5, 1, 1), 576) and pixel(3, (5, 5, 1, 1), 1024)               # LeNet conv1, CIFAR conv1
+    assert not pixel(20, (5, 5, 1, 1), 64) and not pixel(3, (11, 11, 4, 4), 3025)       # LeNet conv2, CaffeNet conv1
+    assert not pixel(3, (5, 5, 1, 1), 49 * 2)                                            # not whole vectors
 
 
 def test_data_gradient_used_only_where_it_suits_and_allowed(monkeypatch):
@@ -387,8 +440,12 @@ def assert_gradient_as_accurate_as_the_gemm_path(n, c, h, w, o, k, stride, pad, 
 def test_weight_gradient_as_accurate_as_the_gemm_path(name):
     n, c, h, w, o, k, stride, pad = WEIGHT_GRADIENT_SHAPES[name]
     oh = cpu.conv_out_size(h, k, stride, pad, 1)
-    assert direct.suits_weight_gradient(c, o, (k, k, stride, stride), oh * oh), \
-        "%s no longer takes the direct kernel" % name
+    geom = (k, k, stride, stride)
+    # LeNet's and CIFAR10-quick's conv1 take the pixel kernel, the others
+    # the outputs' one
+    assert direct.suits_weight_gradient(c, o, geom, oh * oh) and (
+        direct.suits_pixel_weight_gradient(c, geom, oh * oh) == name.endswith("conv1")), \
+        "%s no longer takes the kernel it was measured with" % name
     assert_gradient_as_accurate_as_the_gemm_path(n, c, h, w, o, k, stride, pad, 1)
 
 

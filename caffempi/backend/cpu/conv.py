@@ -19,7 +19,9 @@ The algorithms:
   (float32; the forward for few outputs a group or strided, the weight
   gradient for few outputs or small planes, the data gradient at stride 1
   over small planes): they keep their sums in registers where these skinny
-  GEMMs pack their operands for few outputs.
+  GEMMs pack their operands for few outputs.  ``pixel_direct``: the weight
+  gradient of a first layer (few input channels), vectors along the
+  output pixels.
 * ``row_taps``: with vertical stride 1, the input is unfolded along the
   kernel width only (kw times its size) and the product split by kernel
   row: row i's part reads a contiguous column range of that unfolding, which
@@ -281,6 +283,25 @@ def _direct_data_gradient(s, x, w, dy, need_dx, need_dw):
     per_image = dy[0].nbytes + s.c * s.h * s.w * s.dtype.itemsize
     each_chunk(chunks(s.n, per_image, multiple=threads.thread_count()), gradient.run)
     return gradient.result(), None
+
+
+def _pixel_weight_gradient(s, x, w, dy, need_dx, need_dw):
+    """The compiled weight gradient with vectors along the output pixels
+    (:class:`caffempi.backend.direct.PixelWeightGradient`): the input
+    unfolded by chunks of images, then the threads split the outputs (or
+    the taps), each running over the images in chunks that stay in cache
+    and polling the pending communication between them."""
+    gradient = direct.PixelWeightGradient(np.ascontiguousarray(_pad(x, s.geom[4], s.geom[5])), dy, s.geom, w.shape)
+    each_chunk(chunks(s.n, gradient.u[0].nbytes), gradient.unfold)
+    parts = chunks(s.n, gradient.u[0].nbytes + dy[0].nbytes)
+    items = gradient.items(threads.thread_count())
+
+    def item(i):
+        for a, m in parts:
+            gradient.run(items[i], a, m)
+            threads.poll()
+    threads.for_chunks(len(items), item)
+    return None, gradient.result()
 
 
 # ------------------------------------------------------------------- row taps
@@ -636,6 +657,8 @@ DATA_GRADIENT = (
 
 WEIGHT_GRADIENT = (
     Algorithm("pointwise", lambda s: is_pointwise(s.geom), _pointwise_backward),
+    Algorithm("pixel_direct", lambda s: s.dtype == np.float32 and s.group == 1
+              and direct.suits_pixel_weight_gradient(s.c, s.geom, s.p) and direct.available(), _pixel_weight_gradient),
     Algorithm("direct", lambda s: s.dtype == np.float32 and direct.suits_weight_gradient(s.cg, s.og, s.geom, s.p)
               and direct.available(), _direct_weight_gradient),
     Algorithm("row_taps_per_image", lambda s: by_row_taps(s.geom, s.cg, s.p) and dw_per_image(s.geom, s.cg, s.og, s.p),
