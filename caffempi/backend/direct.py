@@ -106,6 +106,11 @@ class _Builder(llvm.Builder):
         self.tile = tile
         self.fma = self.ir.Function(self.module, self.ir.FunctionType(self.vec, [self.vec] * 3),
                                     name="llvm.fma.v%df32" % tile.vector)
+        self.zero = self.ir.Constant(self.vec, [0.0] * tile.vector)
+
+    def add_to(self, b, base, at, value):
+        """base[at:at+lanes] += the vector ``value``."""
+        self.store_vector(b, b.fadd(self.vector_at(b, base, at), value), base, at)
 
     def tiled(self, b, n, tiles, call):
         """call(tiles[pixels], start) for the whole tiles of a run of ``n``,
@@ -137,7 +142,6 @@ def _forward_tile(m, r):
     pixel = [b.mul(sw, m.const(t)) for t in range(r)]
     vector, out_block = m.tile.vector, m.tile.out_block
     block = m.const(REDUCTION_BLOCK)
-    zero = m.ir.Constant(m.vec, [0.0] * vector)
 
     def run(j, totals):
         """Terms j*REDUCTION_BLOCK on, up to REDUCTION_BLOCK of them, summed
@@ -154,10 +158,10 @@ def _forward_tile(m, r):
                 spread = m.spread(b, b.load(b.gep(x, [b.add(offset, pixel[t])])))
                 out += [b.call(m.fma, [spread, weights[v], sums[2 * t + v]]) for v in range(2)]
             return out
-        sums = m.counted(b, m.smaller(b, b.sub(k_len, first), block), step, [zero] * (2 * r))
+        sums = m.counted(b, m.smaller(b, b.sub(k_len, first), block), step, [m.zero] * (2 * r))
         return [b.fadd(total, s) for total, s in zip(totals, sums)]
 
-    totals = m.counted(b, b.sdiv(b.add(k_len, m.const(REDUCTION_BLOCK - 1)), block), run, [zero] * (2 * r))
+    totals = m.counted(b, b.sdiv(b.add(k_len, m.const(REDUCTION_BLOCK - 1)), block), run, [m.zero] * (2 * r))
     bias_vectors = [m.vector_at(b, bias, m.const(v * vector)) for v in range(2)]
     totals = [b.fadd(total, bias_vectors[i % 2]) for i, total in enumerate(totals)]
     for o in range(out_block):
@@ -214,10 +218,9 @@ def _weight_gradient_tile(m, r):
     fn, b = m.function("weight_gradient%d" % r, [m.fp] * 4 + [m.ip] + [m.i64] * 7, internal=True)
     x, dy, dw, totals, koff, oh, ow, x_row, sh, sw, opad, rows = fn.args
     vector = m.tile.vector
-    zero = m.ir.Constant(m.vec, [0.0] * vector)
     offsets = [b.load(b.gep(koff, [m.const(t)])) for t in range(r)]
     for i in range(2 * r):
-        m.store_vector(b, zero, totals, m.const(i * vector))
+        m.store_vector(b, m.zero, totals, m.const(i * vector))
 
     def run(j, _):
         first = b.mul(j, rows)
@@ -237,14 +240,13 @@ def _weight_gradient_tile(m, r):
                     out += [b.call(m.fma, [spread, d[v], sums[2 * t + v]]) for v in range(2)]
                 return out
             return m.counted(b, ow, pixel, sums)
-        sums = m.counted(b, m.smaller(b, b.sub(oh, first), rows), row, [zero] * (2 * r))
+        sums = m.counted(b, m.smaller(b, b.sub(oh, first), rows), row, [m.zero] * (2 * r))
         for i, s in enumerate(sums):
-            at = m.const(i * vector)
-            m.store_vector(b, b.fadd(m.vector_at(b, totals, at), s), totals, at)
+            m.add_to(b, totals, m.const(i * vector), s)
     m.counted(b, b.sdiv(b.add(oh, b.sub(rows, m.const(1))), rows), run)
     for i in range(2 * r):
         at = m.const(i * vector)
-        m.store_vector(b, b.fadd(m.vector_at(b, dw, at), m.vector_at(b, totals, at)), dw, at)
+        m.add_to(b, dw, at, m.vector_at(b, totals, at))
     b.ret_void()
     return fn
 
@@ -320,11 +322,17 @@ def _data_gradient(m):
     b.ret_void()
 
 
-def _pixel_outputs(m):
-    """Outputs a tile of :func:`_pixel_weight_gradient` takes: 4 with
+def pixel_tile():
+    """:class:`PixelWeightGradient`'s tile here, ``pixels`` being taps:
+    16-float vectors where the CPU has AVX-512F, else 8-float ones."""
+    return Tile(16, 6) if llvm.has_avx512() else Tile(8, 6)
+
+
+def pixel_outputs(tile):
+    """Outputs a tile of :class:`PixelWeightGradient` takes: 4 with
     16-float vectors (4 x 6 sums, 4 dy vectors and an input vector in 32
     registers), 2 with 8-float ones (16 registers)."""
-    return 4 if m.tile.vector == 16 else 2
+    return 4 if tile.vector == 16 else 2
 
 
 def _pixel_weight_gradient_tile(m, ro, rt):
@@ -335,7 +343,6 @@ def _pixel_weight_gradient_tile(m, ro, rt):
     fn, b = m.function("pixel_weight_gradient%d_%d" % (ro, rt), [m.fp] * 3 + [m.ip] + [m.i64] * 3, internal=True)
     u, dy, totals, toff, vectors, p, row = fn.args
     lanes = m.tile.vector
-    zero = m.ir.Constant(m.vec, [0.0] * lanes)
     rows = [b.gep(u, [b.load(b.gep(toff, [m.const(t)]))]) for t in range(rt)]
     outputs = [b.gep(dy, [b.mul(m.const(a), p)]) for a in range(ro)]
 
@@ -348,11 +355,10 @@ def _pixel_weight_gradient_tile(m, ro, rt):
             for a in range(ro):
                 updated[a * rt + t] = b.call(m.fma, [d[a], x, sums[a * rt + t]])
         return updated
-    sums = m.counted(b, vectors, step, [zero] * (ro * rt))
+    sums = m.counted(b, vectors, step, [m.zero] * (ro * rt))
     for a in range(ro):
         for t in range(rt):
-            at = b.add(b.mul(m.const(a), row), m.const(t * lanes))
-            m.store_vector(b, b.fadd(m.vector_at(b, totals, at), sums[a * rt + t]), totals, at)
+            m.add_to(b, totals, b.add(b.mul(m.const(a), row), m.const(t * lanes)), sums[a * rt + t])
     b.ret_void()
     return fn
 
@@ -362,7 +368,7 @@ def _pixel_weight_gradient(m):
     dy image, o_first, o_count, t_first, t_count): for each image, every
     tile of the outputs o_first .. o_first+o_count by the taps t_first ..
     t_first+t_count; totals (O, K, lanes)."""
-    rt_max, ro_max = m.tile.pixels, _pixel_outputs(m)
+    rt_max, ro_max = m.tile.pixels, pixel_outputs(m.tile)
     tiles = {ro: {rt: _pixel_weight_gradient_tile(m, ro, rt) for rt in range(1, rt_max + 1)}
              for ro in range(1, ro_max + 1)}
     fn, b = m.function("pixel_weight_gradient", [m.fp] * 3 + [m.ip] + [m.i64] * 9)
@@ -458,6 +464,16 @@ def _offsets(cg, kh, kw, hp, wp, dh, dw):
     return offsets
 
 
+def _in_blocks(w, out_block):
+    """Weights (groups, outputs, K) as the tiles read them: (groups, blocks
+    of out_block outputs, K, out_block), zero past the outputs."""
+    g, o, k = w.shape
+    blocks = -(-o // out_block)
+    wr = np.zeros((g, blocks * out_block, k), np.float32)
+    wr[:, :o] = w
+    return np.ascontiguousarray(wr.reshape(g, blocks, out_block, k).transpose(0, 1, 3, 2))
+
+
 def forward(xpad, w, geom, group, y, bias=None, tile=None):
     """A function run(a, m) that writes y[a:a+m] (images, C-contiguous
     (N, O, oh, ow) float32) = the convolution of xpad[a:a+m] (C-contiguous
@@ -472,10 +488,8 @@ def forward(xpad, w, geom, group, y, bias=None, tile=None):
     cg, og = c // g, o // g
     k = cg * kh * kw
     out_block = tile.out_block
-    blocks = -(-og // out_block)
-    wr = np.zeros((g, blocks * out_block, k), np.float32)
-    wr[:, :og] = w.reshape(g, og, k)
-    wr = np.ascontiguousarray(wr.reshape(g, blocks, out_block, k).transpose(0, 1, 3, 2))
+    wr = _in_blocks(w.reshape(g, og, k), out_block)
+    blocks = wr.shape[1]
     br = np.zeros((g, blocks * out_block), np.float32)
     if bias is not None:
         br[:, :og] = bias.reshape(g, og)
@@ -492,7 +506,6 @@ def forward(xpad, w, geom, group, y, bias=None, tile=None):
     return run
 
 
-
 def weight_gradient_tile():
     """The weight gradient's tile here: :data:`AVX512_TAPS_TILE` where the
     CPU has AVX-512F (even where its blocks of 32 outputs pad more: the
@@ -504,8 +517,8 @@ class WeightGradient:
     """The weight gradient of a convolution by the compiled kernel, in
     pieces for the intra-op threads: :meth:`copy_dy` for runs of images
     first, then for each of :meth:`items` (ranges of taps: group, block of
-    outputs, first tap, taps) :meth:`run` over runs of bands in order and
-    :meth:`finish`; :meth:`result` gives dw.  Each entry of dw sums its
+    outputs, first tap, taps) :meth:`run` over runs of bands (its
+    :attr:`units`) in order and :meth:`finish`; :meth:`result` gives dw.  Each entry of dw sums its
     bands in order, one at a time, so the bits do not depend on the items,
     the runs or the threads.
 
@@ -530,10 +543,10 @@ class WeightGradient:
         # bands, so the same bits, with either tile
         row_bytes = 4 * (c * geom[2] * wp + ow * self.og)
         band_rows = max(1, min(oh, BAND_BYTES // row_bytes))
-        #: bands in the batch (rows of an image, in image order) and the
-        #: bytes of input and dy each reads
-        self.bands = n * -(-oh // band_rows)
-        self.band_bytes = band_rows * row_bytes
+        #: the units :meth:`run` takes, bands (rows of an image, in image
+        #: order), and the bytes of input and dy each reads
+        self.units = n * -(-oh // band_rows)
+        self.unit_bytes = band_rows * row_bytes
         self.sizes = (oh, ow, c * hp * wp, wp, geom[2], geom[3], opad, max(1, REDUCTION_BLOCK // ow), band_rows)
 
     def copy_dy(self, a, m):
@@ -619,11 +632,10 @@ class DataGradient:
         self.before = kw - 1
         row = self.before + max(ow, wd + geom[5])
         self.dy = np.zeros((n, o, oh, row), np.float32)
-        # terms (kernel row, output, kernel column), channels last, in blocks
-        wt = w.reshape(group, self.og, cg, kh, kw).transpose(0, 3, 1, 4, 2).reshape(group, -1, cg)
-        wr = np.zeros((group, kh * self.og * kw, self.blocks * out_block), np.float32)
-        wr[..., :cg] = wt
-        self.w = np.ascontiguousarray(wr.reshape(group, -1, self.blocks, out_block).transpose(0, 2, 1, 3))
+        # the channels are the tiles' outputs; terms (kernel row, output,
+        # kernel column)
+        self.w = _in_blocks(w.reshape(group, self.og, cg, kh, kw).transpose(0, 2, 3, 1, 4).reshape(group, cg, -1),
+                            out_block)
         i, o_, j = np.meshgrid(np.arange(kh), np.arange(self.og), np.arange(kw), indexing="ij")
         self.koff = np.ascontiguousarray((o_ * oh * row - i * row - j).ravel(), np.int64)
         self.zeros = np.zeros(out_block, np.float32)
@@ -663,46 +675,36 @@ def suits_data_gradient(cg, geom, plane):
 
 
 class PixelWeightGradient:
-    """The weight gradient of a convolution of few input channels at
-    vertical stride 1, vectors along the output pixels: with the input
-    unfolded along the kernel width, u[c, j, h, x] = xpad[c, h, x*sw +
-    j*dw] (rows of ow), tap (c, i, j) reads rows i*dh .. i*dh+oh of u[c, j]
-    as one contiguous run of oh*ow values beside dy's plane.  No copy of dy;
-    a tile is outputs by 6 taps, lane-wise sums from zero over an image,
-    added to lane totals (O, K, lanes), summed across the lanes at the end.
-    :meth:`unfold` for runs of images, then :meth:`run` for each of
-    :meth:`items` over runs of images in order, then :meth:`result`; each
-    total sums its images in order, so the bits do not depend on the
-    items, the runs or the threads."""
+    """The weight gradient of a convolution of few input channels (one
+    group) at vertical stride 1, vectors along the output pixels: over the
+    input unfolded along the kernel width, u[n, c, j, h, x] = xpad[n, c, h,
+    x*sw + j*dw] (rows of ow), tap (c, i, j) reads rows i*dh .. i*dh+oh of
+    u[n, c, j] as one contiguous run of oh*ow values beside dy's plane.  No
+    copy of dy; a tile is outputs by 6 taps, lane-wise sums from zero over
+    an image, added to lane totals (O, K, lanes), summed across the lanes
+    at the end.  For each of :meth:`items` :meth:`run` over runs of images
+    in order, then :meth:`result`; each total sums its images in order, so
+    the bits do not depend on the items, the runs or the threads."""
 
-    def __init__(self, xpad, dy, geom, w_shape, tile=None):
+    def __init__(self, u, dy, geom, w_shape, tile=None):
         o, c, kh, kw = w_shape
-        n, _, hp, _ = xpad.shape
-        self.tile = tile or (Tile(16, 6) if llvm.has_avx512() else Tile(8, 6))
-        self.xpad, self.dy, self.geom, self.w_shape = xpad, np.ascontiguousarray(dy), geom, w_shape
-        self.ow, self.p = dy.shape[3], dy.shape[2] * dy.shape[3]
-        self.k = c * kh * kw
-        self.u = np.empty((n, c, kw, hp, self.ow), np.float32)
+        n, _, _, hp, ow = u.shape
+        self.tile = tile or pixel_tile()
+        self.u, self.dy, self.w_shape = u, np.ascontiguousarray(dy), w_shape
+        self.p, self.k = dy.shape[2] * ow, c * kh * kw
+        #: the units :meth:`run` takes, images, and the bytes each reads
+        self.units, self.unit_bytes = n, u[0].nbytes + self.dy[0].nbytes
         self.totals = np.zeros((o, self.k, self.tile.vector), np.float32)
         c_, i, j = np.meshgrid(np.arange(c), np.arange(kh), np.arange(kw), indexing="ij")
-        self.toff = np.ascontiguousarray(((c_ * kw + j) * hp + i * geom[6]) * self.ow, np.int64).ravel()
+        self.toff = np.ascontiguousarray(((c_ * kw + j) * hp + i * geom[6]) * ow, np.int64).ravel()
         self.kernel = compiled_for(self.tile, "pixel_weight_gradient")
-
-    def unfold(self, a, m):
-        """Unfolds images a .. a+m-1 along the kernel width."""
-        kh, kw, _, sw, _, _, _, dw = self.geom
-        s_n, s_c, s_h, s_w = self.xpad.strides
-        part = self.xpad[a:a + m]
-        view = np.lib.stride_tricks.as_strided(part, (m, part.shape[1], kw, part.shape[2], self.ow),
-                                               (s_n, s_c, dw * s_w, s_h, sw * s_w), writeable=False)
-        np.copyto(self.u[a:a + m], view)
 
     def items(self, parts):
         """(first output, outputs, first tap, taps): the outputs in up to
         ``parts`` ranges of whole tiles (the taps whole), or the taps where
-        the outputs make one tile."""
+        the outputs make fewer tiles than ``parts``."""
         o = self.w_shape[0]
-        per_tile = 4 if self.tile.vector == 16 else 2
+        per_tile = pixel_outputs(self.tile)
         tiles = -(-o // per_tile)
         if tiles >= parts:
             per = -(-tiles // parts) * per_tile
@@ -715,10 +717,13 @@ class PixelWeightGradient:
     def run(self, item, a, m):
         """Adds images a .. a+m-1 to the totals of ``item``."""
         o_first, o_count, t_first, t_count = item
-        n, c, kw, hp, ow = self.u.shape
-        self.kernel(self.u.ctypes.data + 4 * a * c * kw * hp * ow, self.dy.ctypes.data + 4 * a * self.dy[0].size,
-                    self.totals.ctypes.data, self.toff.ctypes.data, m, self.p, self.k, c * kw * hp * ow,
-                    self.dy[0].size, o_first, o_count, t_first, t_count)
+        u_image, dy_image = self.u[0].size, self.dy[0].size
+        self.kernel(self.u.ctypes.data + 4 * a * u_image, self.dy.ctypes.data + 4 * a * dy_image,
+                    self.totals.ctypes.data, self.toff.ctypes.data, m, self.p, self.k, u_image, dy_image,
+                    o_first, o_count, t_first, t_count)
+
+    def finish(self, item):
+        """Nothing: :meth:`result` sums every item's lanes."""
 
     def result(self):
         """dw (O, C, kh, kw)."""
@@ -728,5 +733,4 @@ class PixelWeightGradient:
 def suits_pixel_weight_gradient(c, geom, p):
     """Whether the weight gradient of a convolution of ``c`` input channels
     (one group) runs faster by :class:`PixelWeightGradient` here."""
-    lanes = 16 if llvm.has_avx512() else 8
-    return geom[2] == 1 and p % lanes == 0 and geom[0] * geom[1] > 1 and c <= 4
+    return geom[2] == 1 and p % pixel_tile().vector == 0 and geom[0] * geom[1] > 1 and c <= 4

@@ -254,17 +254,14 @@ def _direct_forward(s, x, w, bias, y):
     each_chunk(parts, direct.forward(xpad, w, s.geom, s.group, y, bias))
 
 
-def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
-    """The compiled weight-gradient kernel (see
-    :class:`caffempi.backend.direct.WeightGradient`): dy copied by chunks
-    of images, then the threads split the taps, each running over the
-    bands in chunks that stay in cache and polling the pending
-    communication between them (:func:`threads.poll`): one region, not
-    one a chunk (those cost 4-19% at 2 threads)."""
-    gradient = direct.WeightGradient(np.ascontiguousarray(_pad(x, s.geom[4], s.geom[5])), dy, s.geom, s.group,
-                                     w.shape)
-    each_chunk(chunks(s.n, dy[0].nbytes), gradient.copy_dy)
-    parts = chunks(gradient.bands, gradient.band_bytes)
+def _on_the_threads(gradient):
+    """A compiled weight gradient (:mod:`caffempi.backend.direct`) on the
+    intra-op threads: its items split over the threads, each running over
+    the gradient's units (bands or images) in chunks that stay in cache
+    and polling the pending communication between them
+    (:func:`threads.poll`): one region, not one a chunk (those cost 4-19%
+    at 2 threads)."""
+    parts = chunks(gradient.units, gradient.unit_bytes)
     items = gradient.items(threads.thread_count())
 
     def item(i):
@@ -274,6 +271,16 @@ def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
         gradient.finish(items[i])
     threads.for_chunks(len(items), item)
     return None, gradient.result()
+
+
+def _direct_weight_gradient(s, x, w, dy, need_dx, need_dw):
+    """The compiled weight-gradient kernel with vectors along the outputs
+    (:class:`caffempi.backend.direct.WeightGradient`): dy copied by chunks
+    of images, then its threads split the taps."""
+    gradient = direct.WeightGradient(np.ascontiguousarray(_pad(x, s.geom[4], s.geom[5])), dy, s.geom, s.group,
+                                     w.shape)
+    each_chunk(chunks(s.n, dy[0].nbytes), gradient.copy_dy)
+    return _on_the_threads(gradient)
 
 
 def _direct_data_gradient(s, x, w, dy, need_dx, need_dw):
@@ -288,20 +295,13 @@ def _direct_data_gradient(s, x, w, dy, need_dx, need_dw):
 def _pixel_weight_gradient(s, x, w, dy, need_dx, need_dw):
     """The compiled weight gradient with vectors along the output pixels
     (:class:`caffempi.backend.direct.PixelWeightGradient`): the input
-    unfolded by chunks of images, then the threads split the outputs (or
-    the taps), each running over the images in chunks that stay in cache
-    and polling the pending communication between them."""
-    gradient = direct.PixelWeightGradient(np.ascontiguousarray(_pad(x, s.geom[4], s.geom[5])), dy, s.geom, w.shape)
-    each_chunk(chunks(s.n, gradient.u[0].nbytes), gradient.unfold)
-    parts = chunks(s.n, gradient.u[0].nbytes + dy[0].nbytes)
-    items = gradient.items(threads.thread_count())
-
-    def item(i):
-        for a, m in parts:
-            gradient.run(items[i], a, m)
-            threads.poll()
-    threads.for_chunks(len(items), item)
-    return None, gradient.result()
+    unfolded along the kernel width by chunks of images
+    (:func:`_unfold_width`), then its threads split the outputs (or the
+    taps)."""
+    xpad = _pad(x, s.geom[4], s.geom[5])
+    u = np.empty((s.n, s.c, s.geom[1], xpad.shape[2], s.ow), s.dtype)
+    each_chunk(chunks(s.n, u[0].nbytes), lambda a, m: _unfold_width(xpad[a:a + m], s.geom, s.ow, u[a:a + m]))
+    return _on_the_threads(direct.PixelWeightGradient(u, dy, s.geom, w.shape))
 
 
 # ------------------------------------------------------------------- row taps
