@@ -27,6 +27,15 @@ summed in a fixed order, whatever the tile, so results do not depend on the
 tile or on how images are split over threads; they differ from the GEMM
 kernels' in the last bits (another summation order).
 
+Banded.  From :data:`BANDED_REDUCTION` terms on, the forward runs each run
+of REDUCTION_BLOCK terms over a band of output pixels (whole rows, taken
+as one run of pixels, so no short tile at each row's end) before the
+next: that run's weights stay in the fast caches, and the tiles' totals
+wait in memory (``BAND_TOTALS`` floats a band), which leaves the
+registers to wider tiles (:data:`AVX512_WIDE_TILE`, four vectors of
+outputs).  The same terms are summed in the same order, so the bits are
+those of the tiles with their totals in registers.
+
 The weight gradient (:class:`WeightGradient`) turns the tile around: its
 vectors run along the outputs (dy copied with each pixel's outputs
 contiguous), its ``pixels`` are kernel taps, and it runs over the output
@@ -40,8 +49,8 @@ For few input channels (the first layers) :class:`PixelWeightGradient`
 runs its vectors along the output pixels instead, over the input unfolded
 along the kernel width, with no copy of dy.
 
-The data gradient (:class:`DataGradient`, stride 1) runs the forward's
-tiles over dy with the weights flipped, input and output channels
+The data gradient (:class:`DataGradient`, stride 1) runs the banded
+forward's tiles over dy with the weights flipped, input and output channels
 swapped, and sums each row of dx over the kernel rows that reach it only:
 its terms are ordered (kernel row, output, kernel column), so those rows
 are one run of them, and dy's rows need no zero rows above or below.
@@ -66,10 +75,11 @@ class Tile(typing.NamedTuple):
     of outputs (``out_block``) by ``pixels`` outputs of a row."""
     vector: int
     pixels: int
+    vectors: int = 2
 
     @property
     def out_block(self):
-        return 2 * self.vector
+        return self.vectors * self.vector
 
 
 #: AVX2's 16 vector registers: 12 sums, 2 weight vectors, a broadcast
@@ -77,6 +87,9 @@ AVX2_TILE = Tile(8, 6)
 #: AVX-512's 32: 16 sums and their totals, weights and a broadcast (8
 #: pixels ran 1.5-1.7 times as fast as AVX2_TILE, 7, 9, 10 and 12 slower)
 AVX512_TILE = Tile(16, 8)
+#: AVX-512's wide tile, four vectors of outputs by 6 pixels: 24 sums, the
+#: four weight vectors and a broadcast (the sums' totals are in memory)
+AVX512_WIDE_TILE = Tile(16, 6, 4)
 #: the weight gradient's tile with AVX-512, ``pixels`` being kernel taps:
 #: 28 sums, two dy vectors and a broadcast (14 taps ran 1.1-1.4 times as
 #: fast as 8 on the nets' shapes; docs/design/cpu.md)
@@ -93,6 +106,16 @@ REDUCTION_BLOCK = 32
 #: sums are added to dw at its end): large images in pieces that stay in
 #: the fast caches while every tap runs over them
 BAND_BYTES = 256 << 10
+#: the banded kernels' sums a band, in floats (band rows * row * out_block;
+#: kept in memory between runs of terms)
+BAND_TOTALS = 8192
+#: reductions from which the forward runs banded: each run of terms over a
+#: band of output pixels before the next, its weights in the fast caches,
+#: and the tiles' totals in memory (wider tiles: 1.1-1.3 times as fast on
+#: the nets' 3x3 convolutions from 1152 terms); shorter ones keep each
+#: tile's totals in registers (CIFAR10-quick's conv1, 75 terms, ran 1.5-1.8
+#: times slower banded)
+BANDED_REDUCTION = 1024
 
 _P, _I = ctypes.c_void_p, ctypes.c_int64
 
@@ -140,7 +163,7 @@ def _forward_tile(m, r):
     fn, b = m.function("forward%d" % r, [m.fp] * 4 + [m.ip] + [m.i64] * 4, internal=True)
     x, w, bias, y, koff, k_len, sw, p, valid = fn.args
     pixel = [b.mul(sw, m.const(t)) for t in range(r)]
-    vector, out_block = m.tile.vector, m.tile.out_block
+    vector, vectors, out_block = m.tile.vector, m.tile.vectors, m.tile.out_block
     block = m.const(REDUCTION_BLOCK)
 
     def run(j, totals):
@@ -152,25 +175,26 @@ def _forward_tile(m, r):
             k = b.add(first, i)
             offset = b.load(b.gep(koff, [k]))
             wk = b.mul(k, m.const(out_block))
-            weights = [m.vector_at(b, w, b.add(wk, m.const(v * vector))) for v in range(2)]
+            weights = [m.vector_at(b, w, b.add(wk, m.const(v * vector))) for v in range(vectors)]
             out = []
             for t in range(r):
                 spread = m.spread(b, b.load(b.gep(x, [b.add(offset, pixel[t])])))
-                out += [b.call(m.fma, [spread, weights[v], sums[2 * t + v]]) for v in range(2)]
+                out += [b.call(m.fma, [spread, weights[v], sums[vectors * t + v]]) for v in range(vectors)]
             return out
-        sums = m.counted(b, m.smaller(b, b.sub(k_len, first), block), step, [m.zero] * (2 * r))
+        sums = m.counted(b, m.smaller(b, b.sub(k_len, first), block), step, [m.zero] * (vectors * r))
         return [b.fadd(total, s) for total, s in zip(totals, sums)]
 
-    totals = m.counted(b, b.sdiv(b.add(k_len, m.const(REDUCTION_BLOCK - 1)), block), run, [m.zero] * (2 * r))
-    bias_vectors = [m.vector_at(b, bias, m.const(v * vector)) for v in range(2)]
-    totals = [b.fadd(total, bias_vectors[i % 2]) for i, total in enumerate(totals)]
+    totals = m.counted(b, b.sdiv(b.add(k_len, m.const(REDUCTION_BLOCK - 1)), block), run,
+                       [m.zero] * (vectors * r))
+    bias_vectors = [m.vector_at(b, bias, m.const(v * vector)) for v in range(vectors)]
+    totals = [b.fadd(total, bias_vectors[i % vectors]) for i, total in enumerate(totals)]
     for o in range(out_block):
         store, after = fn.append_basic_block(), fn.append_basic_block()
         b.cbranch(b.icmp_signed("<", m.const(o), valid), store, after)
         b.position_at_end(store)
         row = b.mul(m.const(o), p)
         for t in range(r):
-            lane = b.extract_element(totals[2 * t + o // vector], m.ir.Constant(m.i32, o % vector))
+            lane = b.extract_element(totals[vectors * t + o // vector], m.ir.Constant(m.i32, o % vector))
             b.store(lane, b.gep(y, [b.add(row, m.const(t))]))
         b.branch(after)
         b.position_at_end(after)
@@ -181,7 +205,8 @@ def _forward_tile(m, r):
 def _forward(m):
     """forward(x, w, bias, y, koff, images, K, blocks, outputs, oh, ow,
     x image stride, x row stride, sh, sw, y image stride): the tiles of every
-    image, block of outputs and output row."""
+    image, block of outputs and output row, each tile's totals in
+    registers (for short reductions: see :data:`BANDED_REDUCTION`)."""
     tiles = {r: _forward_tile(m, r) for r in range(1, m.tile.pixels + 1)}
     fn, b = m.function("forward", [m.fp] * 4 + [m.ip] + [m.i64] * 11)
     x, w, bias, y, koff, images, k_len, blocks, outputs, oh, ow, x_image, x_row, sh, sw, y_image = fn.args
@@ -202,6 +227,103 @@ def _forward(m):
             m.counted(b, oh, out_row)
         m.counted(b, blocks, block)
     m.counted(b, images, image)
+    b.ret_void()
+
+
+def _run_tile(m, r):
+    """tile(x, w, totals, koff, first, count, poff): totals[t*out_block +
+    o] += the sum from zero of the ``count`` terms k = first ..
+    first+count-1 of w[k*out_block + o] * x[koff[k] + poff[t]], for the r
+    pixels t (one run of at most REDUCTION_BLOCK terms: see
+    :data:`REDUCTION_BLOCK`)."""
+    fn, b = m.function("run%d" % r, [m.fp] * 3 + [m.ip] + [m.i64] * 2 + [m.ip], internal=True)
+    x, w, totals, koff, first, count, poff = fn.args
+    pixel = [b.load(b.gep(poff, [m.const(t)])) for t in range(r)]
+    vector, vectors, out_block = m.tile.vector, m.tile.vectors, m.tile.out_block
+
+    def step(i, sums):
+        k = b.add(first, i)
+        xk = b.gep(x, [b.load(b.gep(koff, [k]))])
+        wk = b.mul(k, m.const(out_block))
+        weights = [m.vector_at(b, w, b.add(wk, m.const(v * vector))) for v in range(vectors)]
+        out = []
+        for t in range(r):
+            spread = m.spread(b, b.load(b.gep(xk, [pixel[t]])))
+            out += [b.call(m.fma, [spread, weights[v], sums[vectors * t + v]]) for v in range(vectors)]
+        return out
+    sums = m.counted(b, count, step, [m.zero] * (vectors * r))
+    for t in range(r):
+        for v in range(vectors):
+            m.add_to(b, totals, m.const(t * out_block + v * vector), sums[vectors * t + v])
+    b.ret_void()
+    return fn
+
+
+def _zero_totals(m, b, totals, pixels):
+    """totals[0 : pixels*out_block] = 0."""
+    m.counted(b, pixels, lambda q, _: [m.store_vector(b, m.zero, totals, b.add(
+        b.mul(q, m.const(m.tile.out_block)), m.const(v * m.tile.vector))) for v in range(m.tile.vectors)])
+
+
+def _store_totals(m, b, totals, bias, y, pixels, p, valid):
+    """y[o*p + q] = totals[q*out_block + o] + bias[o] for the ``pixels``
+    pixels q and the outputs o < ``valid`` (at most out_block)."""
+    out_block = m.const(m.tile.out_block)
+
+    def output(o, _):
+        yo, bo = b.gep(y, [b.mul(o, p)]), b.load(b.gep(bias, [o]))
+        m.counted(b, pixels, lambda q, _: b.store(
+            b.fadd(b.load(b.gep(totals, [b.add(b.mul(q, out_block), o)])), bo), b.gep(yo, [q])))
+    m.counted(b, m.smaller(b, valid, out_block), output)
+
+
+def _run_pixels(m, b, tiles, x, w, totals, koff, k_first, k_len, pixels, poff):
+    """The terms k_first .. k_first+k_len of ``pixels`` output pixels
+    (pixel q's inputs at x[koff[k] + poff[q]]) added to their totals (from
+    ``totals`` on, q by q), in runs of REDUCTION_BLOCK terms, each run over
+    all the pixels before the next: its weights stay in the fast caches,
+    and tiles run across rows (no short tile at each row's end)."""
+    block = m.const(REDUCTION_BLOCK)
+    out_block = m.const(m.tile.out_block)
+
+    def run(j, _):
+        first = b.mul(j, block)
+        count = m.smaller(b, b.sub(k_len, first), block)
+        m.tiled(b, pixels, tiles, lambda tile, q: b.call(tile, [
+            x, w, b.gep(totals, [b.mul(q, out_block)]), koff, b.add(k_first, first), count, b.gep(poff, [q])]))
+    m.counted(b, b.sdiv(b.add(k_len, m.const(REDUCTION_BLOCK - 1)), block), run)
+
+
+def _banded_forward(m):
+    """banded_forward(x, w, bias, y, koff, totals, poff, images, K, blocks, outputs, oh,
+    ow, x image stride, x row stride, sh, sw, y image stride, band rows):
+    every image, block of outputs and band of ``band rows`` output rows,
+    the band's sums in ``totals`` (band rows * ow * out_block floats)."""
+    tiles = {r: _run_tile(m, r) for r in range(1, m.tile.pixels + 1)}
+    fn, b = m.function("banded_forward", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] + [m.i64] * 11)
+    (x, w, bias, y, koff, totals, poff, images, k_len, blocks, outputs, oh, ow, x_image, x_row, sh,
+     y_image, band_rows) = fn.args
+    p = b.mul(oh, ow)
+    zero = m.const(0)
+
+    def block(ob, _):
+        first = b.mul(ob, m.const(m.tile.out_block))
+        wb, bb, valid = b.gep(w, [b.mul(first, k_len)]), b.gep(bias, [first]), b.sub(outputs, first)
+
+        def image(n, _):
+            xi, yb = b.gep(x, [b.mul(n, x_image)]), b.gep(y, [b.add(b.mul(n, y_image), b.mul(first, p))])
+
+            def band(i, _):
+                oy = b.mul(i, band_rows)
+                rows = m.smaller(b, b.sub(oh, oy), band_rows)
+                pixels = b.mul(rows, ow)
+                _zero_totals(m, b, totals, pixels)
+                _run_pixels(m, b, tiles, b.gep(xi, [b.mul(b.mul(oy, sh), x_row)]), wb, totals, koff, zero, k_len,
+                            pixels, poff)
+                _store_totals(m, b, totals, bb, b.gep(yb, [b.mul(oy, ow)]), pixels, p, valid)
+            m.counted(b, b.sdiv(b.add(oh, b.sub(band_rows, m.const(1))), band_rows), band)
+        m.counted(b, images, image)
+    m.counted(b, blocks, block)
     b.ret_void()
 
 
@@ -285,40 +407,37 @@ def _weight_gradient(m):
 
 
 def _data_gradient(m):
-    """data_gradient(dy, w, zeros, dx, koff, images, terms a kernel row,
-    blocks, channels, kh, oh, h, wd, ph, dy image stride, dy row, dx image
-    stride): the forward's tiles over dy with the weights flipped, a block
-    of channels by pixels of a dx row at a time, each row summing the
-    kernel rows that reach it only: the terms are ordered (kernel row,
-    output, kernel column), so those rows are one run of them."""
-    tiles = {r: _forward_tile(m, r) for r in range(1, m.tile.pixels + 1)}
-    fn, b = m.function("data_gradient", [m.fp] * 4 + [m.ip] + [m.i64] * 12)
-    (dy, w, zeros, dx, koff, images, row_terms, blocks, channels, kh, oh, h, wd, ph, dy_image, dy_row,
-     dx_image) = fn.args
-    plane = b.mul(h, wd)
-    one = m.const(1)
+    """data_gradient(dy, w, zeros, dx, koff, totals, poff, bands, images,
+    band count, K, blocks, channels, wd, plane, ph, dy image stride, dy
+    row, dx image stride): the forward's tiles over dy with the weights
+    flipped, a block of channels by a band of dx rows at a time (its sums
+    in ``totals``); a band (first row, rows, first term, terms) is rows
+    that the same kernel rows reach, and sums those only: the terms are
+    ordered (kernel row, output, kernel column), so they are one run."""
+    tiles = {r: _run_tile(m, r) for r in range(1, m.tile.pixels + 1)}
+    fn, b = m.function("data_gradient", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] * 2 + [m.i64] * 11)
+    (dy, w, zeros, dx, koff, totals, poff, bands, images, band_count, k_len, blocks, channels, wd, plane, ph,
+     dy_image, dy_row, dx_image) = fn.args
+    out_block = m.const(m.tile.out_block)
 
-    def image(n, _):
-        dyn, dxn = b.gep(dy, [b.mul(n, dy_image)]), b.gep(dx, [b.mul(n, dx_image)])
+    def block(ob, _):
+        first = b.mul(ob, out_block)
+        wb, valid = b.gep(w, [b.mul(b.mul(ob, k_len), out_block)]), b.sub(channels, first)
 
-        def block(ob, _):
-            first = b.mul(ob, m.const(m.tile.out_block))
-            wb, dxb, valid = b.gep(w, [b.mul(b.mul(ob, b.mul(kh, row_terms)), m.const(m.tile.out_block))]), \
-                b.gep(dxn, [b.mul(first, plane)]), b.sub(channels, first)
+        def image(n, _):
+            dyn, dxb = b.gep(dy, [b.mul(n, dy_image)]), b.gep(dx, [b.add(b.mul(n, dx_image), b.mul(first, plane))])
 
-            def row(yy, _):
-                y = b.add(yy, ph)
-                i_first = m.larger(b, m.const(0), b.sub(y, b.sub(oh, one)))
-                i_last = m.smaller(b, b.sub(kh, one), y)
-                k_first = b.mul(i_first, row_terms)
-                k_len = b.mul(m.larger(b, m.const(0), b.add(b.sub(i_last, i_first), one)), row_terms)
-                wk, koffk = b.gep(wb, [b.mul(k_first, m.const(m.tile.out_block))]), b.gep(koff, [k_first])
-                dyr, dxr = b.gep(dyn, [b.mul(y, dy_row)]), b.gep(dxb, [b.mul(yy, wd)])
-                m.tiled(b, wd, tiles, lambda tile, x: b.call(
-                    tile, [b.gep(dyr, [x]), wk, zeros, b.gep(dxr, [x]), koffk, k_len, one, plane, valid]))
-            m.counted(b, h, row)
-        m.counted(b, blocks, block)
-    m.counted(b, images, image)
+            def band(i, _):
+                yy, rows, k_first, terms = (b.load(b.gep(bands, [b.add(b.mul(i, m.const(4)), m.const(f))]))
+                                            for f in range(4))
+                pixels = b.mul(rows, wd)
+                _zero_totals(m, b, totals, pixels)
+                _run_pixels(m, b, tiles, b.gep(dyn, [b.mul(b.add(yy, ph), dy_row)]), wb, totals, koff, k_first,
+                            terms, pixels, poff)
+                _store_totals(m, b, totals, zeros, b.gep(dxb, [b.mul(yy, wd)]), pixels, plane, valid)
+            m.counted(b, band_count, band)
+        m.counted(b, images, image)
+    m.counted(b, blocks, block)
     b.ret_void()
 
 
@@ -393,21 +512,28 @@ def _pixel_weight_gradient(m):
 
 #: the signatures of the kernels, by name, and the functions that write them
 _KERNELS = {"forward": ([_P] * 5 + [_I] * 11, _forward),
+            "banded_forward": ([_P] * 7 + [_I] * 11, _banded_forward),
             "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient),
-            "data_gradient": ([_P] * 5 + [_I] * 12, _data_gradient),
+            "data_gradient": ([_P] * 8 + [_I] * 11, _data_gradient),
             "pixel_weight_gradient": ([_P] * 4 + [_I] * 9, _pixel_weight_gradient)}
 
 
-def tile_for(og):
-    """The tile for ``og`` outputs a group here: :data:`AVX512_TILE` where
-    the CPU has AVX-512F and they fill its blocks of 32, else
-    :data:`AVX2_TILE` (blocks of 16)."""
-    return AVX512_TILE if llvm.has_avx512() and og % AVX512_TILE.out_block == 0 else AVX2_TILE
+def tile_for(og, banded=True):
+    """The tile for ``og`` outputs a group here: where the CPU has AVX-512F,
+    :data:`AVX512_WIDE_TILE` where they fill its blocks of 64 and the
+    kernel is ``banded`` (its totals in memory: in registers they would not
+    fit beside its sums), else
+    :data:`AVX512_TILE` for at least 32 (its blocks of 32 pad less; 16-float
+    vectors even where padded: 208 outputs ran 1.6 times as fast as by
+    8-float ones); else :data:`AVX2_TILE` (blocks of 16)."""
+    if llvm.has_avx512() and banded and og % AVX512_WIDE_TILE.out_block == 0:
+        return AVX512_WIDE_TILE
+    return AVX512_TILE if llvm.has_avx512() and og >= AVX512_TILE.out_block else AVX2_TILE
 
 
 @functools.lru_cache(maxsize=None)
 def compiled_for(tile, kernel="forward"):
-    """The ``kernel`` (``forward``, ``weight_gradient`` or ``data_gradient``) of ``tile``
+    """The ``kernel`` (a key of ``_KERNELS``) of ``tile``
     compiled for this CPU as a ctypes function, or None where it does not
     run here (any tile compiles on an AVX2 CPU: LLVM splits wider
     vectors)."""
@@ -426,12 +552,15 @@ def available():
 
 # Where the direct kernel beats the GEMM kernels (:func:`suits`): a
 # reduction of at least _MIN_REDUCTION (in shorter ones its tiles' stores
-# weigh), whole blocks of outputs a group, and either at most _FEW_OUTPUTS
-# outputs a group (the GEMMs' weakest shapes, at any reduction) or a
-# reduction of at most _MAX_REDUCTION (in longer ones the weight blocks
-# leave the fast caches) with at most _MAX_OUTPUTS outputs a group or a
-# stride over 1 (docs/design/cpu.md, "Where the direct kernel is used").
+# weigh), whole blocks of outputs a group, and one of: at most _FEW_OUTPUTS
+# outputs a group (the GEMMs' weakest shapes, at any reduction); a window
+# over more than one pixel and a reduction under _WINDOW_REDUCTION (in
+# longer ones over small planes the GEMM kept up); a 1x1 window and a
+# reduction of at most _MAX_REDUCTION with at most _MAX_OUTPUTS outputs a
+# group or a stride over 1 (docs/design/cpu.md, "Where the direct kernel
+# is used").
 _MIN_REDUCTION = 64
+_WINDOW_REDUCTION = 4096
 _MAX_REDUCTION = 1536
 _MAX_OUTPUTS = 64
 _FEW_OUTPUTS = 32
@@ -451,7 +580,8 @@ def suits(cg, og, geom):
     kh, kw, sh, sw = geom[:4]
     k = cg * kh * kw
     return (k >= _MIN_REDUCTION and og % AVX2_TILE.out_block == 0
-            and (og <= _FEW_OUTPUTS or (k <= _MAX_REDUCTION and (og <= _MAX_OUTPUTS or sh > 1 or sw > 1))))
+            and (og <= _FEW_OUTPUTS or (kh * kw > 1 and k < _WINDOW_REDUCTION)
+                 or (k <= _MAX_REDUCTION and (og <= _MAX_OUTPUTS or sh > 1 or sw > 1))))
 
 
 @functools.lru_cache(maxsize=64)
@@ -474,19 +604,23 @@ def _in_blocks(w, out_block):
     return np.ascontiguousarray(wr.reshape(g, blocks, out_block, k).transpose(0, 1, 3, 2))
 
 
-def forward(xpad, w, geom, group, y, bias=None, tile=None):
+def forward(xpad, w, geom, group, y, bias=None, tile=None, banded=None):
     """A function run(a, m) that writes y[a:a+m] (images, C-contiguous
     (N, O, oh, ow) float32) = the convolution of xpad[a:a+m] (C-contiguous
     float32, already padded) with ``w`` (O, C/group, kh, kw), plus ``bias``
     (O,) if given, by the kernel of ``tile`` (default: :func:`tile_for`
-    the outputs a group).  Call only where :func:`available`."""
-    tile = tile or tile_for(w.shape[0] // group)
+    the outputs a group), ``banded`` (default: for reductions of at least
+    :data:`BANDED_REDUCTION` terms) or with each tile's totals in
+    registers; the same bits either way.  Call only where
+    :func:`available`."""
     kh, kw, sh, sw, _, _, dh, dw = geom
     _, c, hp, wp = xpad.shape
     _, o, oh, ow = y.shape
     g = group
     cg, og = c // g, o // g
     k = cg * kh * kw
+    banded = k >= BANDED_REDUCTION if banded is None else banded
+    tile = tile or tile_for(og, banded)
     out_block = tile.out_block
     wr = _in_blocks(w.reshape(g, og, k), out_block)
     blocks = wr.shape[1]
@@ -494,16 +628,32 @@ def forward(xpad, w, geom, group, y, bias=None, tile=None):
     if bias is not None:
         br[:, :og] = bias.reshape(g, og)
     koff = _offsets(cg, kh, kw, hp, wp, dh, dw)
-    kernel = compiled_for(tile)
     x_image, y_image = c * hp * wp, o * oh * ow
     item = xpad.itemsize
 
-    def run(a, m):
+    def at(a, gi):
+        """The first input, the weights, the bias and the first output of
+        images a on, group gi."""
+        return (xpad.ctypes.data + item * (a * x_image + gi * cg * hp * wp), wr[gi].ctypes.data, br[gi].ctypes.data,
+                y.ctypes.data + item * (a * y_image + gi * og * oh * ow), koff.ctypes.data)
+    if not banded:
+        kernel = compiled_for(tile)
+
+        def run(a, m):
+            for gi in range(g):
+                kernel(*at(a, gi), m, k, blocks, og, oh, ow, x_image, wp, sh, sw, y_image)
+        return run
+    kernel = compiled_for(tile, "banded_forward")
+    band_rows = max(1, min(oh, BAND_TOTALS // (ow * out_block)))
+    rows, columns = np.divmod(np.arange(band_rows * ow), ow)
+    poff = (rows * sh * wp + columns * sw).astype(np.int64)
+
+    def banded_run(a, m):
+        totals = np.empty(band_rows * ow * out_block, np.float32)
         for gi in range(g):
-            kernel(xpad.ctypes.data + item * (a * x_image + gi * cg * hp * wp), wr[gi].ctypes.data,
-                   br[gi].ctypes.data, y.ctypes.data + item * (a * y_image + gi * og * oh * ow), koff.ctypes.data,
-                   m, k, blocks, og, oh, ow, x_image, wp, sh, sw, y_image)
-    return run
+            kernel(*at(a, gi), totals.ctypes.data, poff.ctypes.data, m, k, blocks, og, oh, ow, x_image, wp, sh,
+                   y_image, band_rows)
+    return banded_run
 
 
 def weight_gradient_tile():
@@ -606,14 +756,15 @@ def suits_weight_gradient(cg, og, geom, p):
 
 
 class DataGradient:
-    """dx of a stride-1, undilated convolution by the forward's compiled
-    tiles (the AVX-512 tile where the CPU has it, whatever the channels): the
+    """dx of a stride-1, undilated convolution by the banded forward's
+    tiles (:func:`tile_for` the channels): the
     convolution of dy with the weights flipped (input and output channels
     swapped), where each row of dx sums only the kernel rows that reach it
     (no zero rows above or below dy, which the flipped convolution of
     :mod:`caffempi.backend.cpu.conv` pays for) and dy's columns sit between
-    zeros.  :meth:`run` for runs of images (on the intra-op threads), then
-    :meth:`result`; each entry is summed in one order whatever the runs.
+    zeros; dx's rows in bands that the same kernel rows reach.  :meth:`run`
+    for runs of images (on the intra-op threads), then :meth:`result`; each
+    entry is summed in one order whatever the runs.
 
     Layouts: dy copied per image, output and row between ``kw - 1`` zero
     columns before and enough after; the weights as (group, blocks of
@@ -624,7 +775,7 @@ class DataGradient:
         o, cg, kh, kw = w.shape
         n, c, h, wd = x_shape
         _, _, oh, ow = dy.shape
-        self.tile = tile or (AVX512_TILE if llvm.has_avx512() else AVX2_TILE)
+        self.tile = tile or tile_for(cg)
         out_block = self.tile.out_block
         self.group, self.og, self.cg = group, o // group, cg
         self.blocks = -(-cg // out_block)
@@ -639,8 +790,27 @@ class DataGradient:
         i, o_, j = np.meshgrid(np.arange(kh), np.arange(self.og), np.arange(kw), indexing="ij")
         self.koff = np.ascontiguousarray((o_ * oh * row - i * row - j).ravel(), np.int64)
         self.zeros = np.zeros(out_block, np.float32)
+        band_rows = max(1, min(h, BAND_TOTALS // (wd * out_block)))
+        rows, columns = np.divmod(np.arange(band_rows * wd), wd)
+        self.poff = (rows * row + columns).astype(np.int64)
+        self.bands = self._bands(kh, oh, h, geom[4], self.og * kw, band_rows)
+        self.totals = band_rows * wd * out_block
         self.dx = np.empty(x_shape, np.float32)
         self.kernel = compiled_for(self.tile, "data_gradient")
+
+    @staticmethod
+    def _bands(kh, oh, h, ph, row_terms, band_rows):
+        """(first row, rows, first term, terms) of each band: runs of at
+        most ``band_rows`` dx rows that the same kernel rows reach."""
+        reach = [(max(0, yy + ph - (oh - 1)), min(kh - 1, yy + ph)) for yy in range(h)]
+        bands = []
+        for yy in range(h):
+            first, last = reach[yy]
+            if bands and reach[bands[-1][0]] == reach[yy] and bands[-1][1] < band_rows:
+                bands[-1][1] += 1
+            else:
+                bands.append([yy, 1, first * row_terms, max(0, last - first + 1) * row_terms])
+        return np.array(bands, np.int64)
 
     def run(self, a, m):
         """dx of images a .. a+m-1 (into :meth:`result`'s array)."""
@@ -650,11 +820,13 @@ class DataGradient:
         ow = self.dy_given.shape[3]
         self.dy[a:a + m, :, :, self.before:self.before + ow] = self.dy_given[a:a + m]
         dy_image, dx_image = o * oh * row, c * h * wd
+        totals = np.empty(self.totals, np.float32)
         for g in range(self.group):
             dy = self.dy.ctypes.data + 4 * (a * dy_image + g * self.og * oh * row + self.before + pw)
             dx = self.dx.ctypes.data + 4 * (a * dx_image + g * self.cg * h * wd)
-            self.kernel(dy, self.w[g].ctypes.data, self.zeros.ctypes.data, dx, self.koff.ctypes.data, m,
-                        self.og * kw, self.blocks, self.cg, kh, oh, h, wd, ph, dy_image, row, dx_image)
+            self.kernel(dy, self.w[g].ctypes.data, self.zeros.ctypes.data, dx, self.koff.ctypes.data,
+                        totals.ctypes.data, self.poff.ctypes.data, self.bands.ctypes.data, m, len(self.bands),
+                        self.w.shape[2], self.blocks, self.cg, wd, h * wd, ph, dy_image, row, dx_image)
 
     def result(self):
         """dx (N, C, H, W)."""
@@ -667,11 +839,12 @@ def suits_data_gradient(cg, geom, plane):
     faster by the direct kernel (:class:`DataGradient`) than by the other
     algorithms here: stride 1, no dilation, a window over more than one
     pixel, at least :data:`_FEW_OUTPUTS` channels a group (its blocks of
-    outputs are the channels) and planes of at most :data:`_SMALL_PLANE`
-    pixels, where the flipped convolution's zero rows weigh
+    outputs are the channels), and planes of at most :data:`_SMALL_PLANE`
+    pixels, where the flipped convolution's zero rows weigh, or channels
+    in whole blocks of 32, where larger planes run in bands of rows as fast
     (docs/design/cpu.md, "The data gradient")."""
     return (geom[2] == geom[3] == geom[6] == geom[7] == 1 and geom[0] * geom[1] > 1
-            and cg >= _FEW_OUTPUTS and plane <= _SMALL_PLANE)
+            and cg >= _FEW_OUTPUTS and (plane <= _SMALL_PLANE or cg % AVX512_TILE.out_block == 0))
 
 
 class PixelWeightGradient:

@@ -80,7 +80,8 @@ def test_data_gradient_through_the_direct_forward_is_the_adjoint(forced):
 @pytest.mark.parametrize("n,c,h,w,o,kh,kw,stride,pad,dil,group,bias", GEOMETRIES[:4])
 def test_avx2_and_avx512_tiles_give_the_same_bits(n, c, h, w, o, kh, kw, stride, pad, dil, group, bias):
     """Each output is summed in the same order whatever the tile (LLVM
-    splits the 16-float vectors where the CPU has no AVX-512)."""
+    splits the 16-float vectors where the CPU has no AVX-512), two or four
+    vectors of outputs, banded or with each tile's totals in registers."""
     x = rand((n, c, h + 2 * pad[0], w + 2 * pad[1]), 0)
     weights = rand((o, c // group, kh, kw), 1)
     b = rand((o,), 2) if bias else None
@@ -88,11 +89,12 @@ def test_avx2_and_avx512_tiles_give_the_same_bits(n, c, h, w, o, kh, kw, stride,
     shape = (n, o, cpu.conv_out_size(x.shape[2], kh, stride[0], 0, dil[0]),
              cpu.conv_out_size(x.shape[3], kw, stride[1], 0, dil[1]))
     ys = []
-    for tile in (direct.AVX2_TILE, direct.AVX512_TILE):
-        y = np.empty(shape, np.float32)
-        direct.forward(x, weights, geom, group, y, b, tile)(0, n)
-        ys.append(y)
-    assert np.array_equal(ys[0], ys[1])
+    for tile in (direct.AVX2_TILE, direct.AVX512_TILE, direct.AVX512_WIDE_TILE):
+        for banded in (False, True):
+            y = np.empty(shape, np.float32)
+            direct.forward(x, weights, geom, group, y, b, tile, banded)(0, n)
+            ys.append(y)
+    assert all(np.array_equal(ys[0], y) for y in ys[1:])
 
 
 def loop_weight_gradient(x, dy, geom, group):
@@ -240,7 +242,7 @@ def test_data_gradient_same_bits_for_any_tile_thread_count_and_chunking(forced_d
     dy = rand(cpu.conv2d_forward(x, weights, geom, 2).shape, 2)
     results = []
     for tile, thread_count, chunk_bytes in ((direct.AVX2_TILE, 1, 1 << 30), (direct.AVX512_TILE, 2, 1),
-                                            (direct.AVX512_TILE, 3, 30000)):
+                                            (direct.AVX512_WIDE_TILE, 3, 30000)):
         monkeypatch.setattr(chunking, "COL_CHUNK_BYTES", chunk_bytes)
         previous = threads.set_thread_count(thread_count)
         try:
@@ -281,8 +283,9 @@ def test_used_only_where_it_suits_and_allowed(monkeypatch):
     cpu.conv2d_forward(x, rand((32, 32, 1, 1), 1), (1, 1, 1, 1, 0, 0, 1, 1), 1)         # 1x1: a GEMM
     cpu.conv2d_forward(rand((2, 1, 8, 8), 0), rand((32, 1, 5, 5), 1), (5, 5, 1, 1, 2, 2, 1, 1), 1)  # 25 taps
     assert len(calls) == 1
-    assert direct.suits(3, 96, (11, 11, 4, 4)) and not direct.suits(256, 384, (3, 3, 1, 1))
-    assert direct.suits(64, 32, (5, 5, 1, 1)) and not direct.suits(256, 64, (3, 3, 1, 1))
+    assert direct.suits(3, 96, (11, 11, 4, 4)) and direct.suits(256, 384, (3, 3, 1, 1))
+    assert not direct.suits(512, 512, (3, 3, 1, 1))                  # ResNet-50 res5: 4608 terms
+    assert direct.suits(64, 32, (5, 5, 1, 1)) and not direct.suits(2048, 128, (1, 1, 1, 1))
 
 
 def counting(patch, kernel):
@@ -331,7 +334,8 @@ def test_data_gradient_used_only_where_it_suits_and_allowed(monkeypatch):
     suits = direct.suits_data_gradient
     assert suits(32, (5, 5, 1, 1, 2, 2, 1, 1), 256) and suits(512, (3, 3, 1, 1, 1, 1, 1, 1), 49)
     assert not suits(20, (5, 5, 1, 1, 0, 0, 1, 1), 144)              # LeNet conv2: 20 channels
-    assert not suits(64, (3, 3, 1, 1, 1, 1, 1, 1), 3136)             # ResNet-50 res2: a large plane
+    assert suits(64, (3, 3, 1, 1, 1, 1, 1, 1), 3136)                 # ResNet-50 res2: bands of rows
+    assert not suits(48, (5, 5, 1, 1, 2, 2, 1, 1), 729)              # CaffeNet conv2: a large plane, 48
     assert not suits(128, (3, 3, 2, 2, 1, 1, 1, 1), 784) and not suits(64, (3, 3, 1, 1, 2, 2, 2, 2), 196)
     assert not suits(256, (1, 1, 1, 1, 0, 0, 1, 1), 196)
 
@@ -359,6 +363,10 @@ NET_SHAPES = {
     "caffenet conv1": (1, 3, 115, 115, 96, 11, 4, 0),
     "resnet50 conv1": (1, 3, 112, 112, 64, 7, 2, 3),
     "resnet50 res2 3x3": (2, 64, 28, 28, 64, 3, 1, 1),
+    "resnet50 res3 3x3": (2, 128, 28, 28, 128, 3, 1, 1),
+    "resnet50 res4 3x3": (8, 256, 14, 14, 256, 3, 1, 1),
+    "caffenet conv3": (8, 256, 13, 13, 384, 3, 1, 1),
+    "googlenet inception_4a 3x3": (8, 96, 14, 14, 208, 3, 1, 1),
     "resnet50 res3a 3x3 stride 2": (2, 128, 28, 28, 128, 3, 2, 1),
     "resnet50 res3a projection": (2, 256, 28, 28, 512, 1, 2, 0),
     "resnet50 res5a projection": (2, 1024, 14, 14, 2048, 1, 2, 0),
@@ -459,6 +467,8 @@ DATA_GRADIENT_SHAPES = {
     "resnet50 res4 3x3": (8, 256, 14, 14, 256, 3, 1),
     "resnet50 res5 3x3": (8, 512, 7, 7, 512, 3, 1),
     "googlenet inception_4a 3x3": (8, 96, 14, 14, 208, 3, 1),
+    "googlenet inception_3a 3x3": (8, 96, 28, 28, 128, 3, 1),
+    "resnet50 res2 3x3": (8, 64, 56, 56, 64, 3, 1),
     "googlenet inception_5b 5x5": (8, 48, 7, 7, 128, 5, 2),
 }
 
