@@ -554,11 +554,11 @@ def available():
 # reduction of at least _MIN_REDUCTION (in shorter ones its tiles' stores
 # weigh), whole blocks of outputs a group, and one of: at most _FEW_OUTPUTS
 # outputs a group (the GEMMs' weakest shapes, at any reduction); a window
-# over more than one pixel and a reduction under _WINDOW_REDUCTION (in
-# longer ones over small planes the GEMM kept up); a 1x1 window and a
-# reduction of at most _MAX_REDUCTION with at most _MAX_OUTPUTS outputs a
-# group or a stride over 1 (docs/design/cpu.md, "Where the direct kernel
-# is used").
+# over more than one pixel and a reduction the kernel runs banded, under
+# _WINDOW_REDUCTION (in longer ones over small planes the GEMM kept up);
+# a reduction of at most _MAX_REDUCTION with at most _MAX_OUTPUTS outputs
+# a group or a stride over 1 (docs/design/cpu.md, "Where the direct kernel
+# is used" and "Banded").
 _MIN_REDUCTION = 64
 _WINDOW_REDUCTION = 4096
 _MAX_REDUCTION = 1536
@@ -580,7 +580,7 @@ def suits(cg, og, geom):
     kh, kw, sh, sw = geom[:4]
     k = cg * kh * kw
     return (k >= _MIN_REDUCTION and og % AVX2_TILE.out_block == 0
-            and (og <= _FEW_OUTPUTS or (kh * kw > 1 and k < _WINDOW_REDUCTION)
+            and (og <= _FEW_OUTPUTS or (kh * kw > 1 and BANDED_REDUCTION <= k < _WINDOW_REDUCTION)
                  or (k <= _MAX_REDUCTION and (og <= _MAX_OUTPUTS or sh > 1 or sw > 1))))
 
 

@@ -366,7 +366,6 @@ NET_SHAPES = {
     "resnet50 res3 3x3": (2, 128, 28, 28, 128, 3, 1, 1),
     "resnet50 res4 3x3": (8, 256, 14, 14, 256, 3, 1, 1),
     "caffenet conv3": (8, 256, 13, 13, 384, 3, 1, 1),
-    "googlenet inception_4a 3x3": (8, 96, 14, 14, 208, 3, 1, 1),
     "resnet50 res3a 3x3 stride 2": (2, 128, 28, 28, 128, 3, 2, 1),
     "resnet50 res3a projection": (2, 256, 28, 28, 512, 1, 2, 0),
     "resnet50 res5a projection": (2, 1024, 14, 14, 2048, 1, 2, 0),
