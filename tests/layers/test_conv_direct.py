@@ -38,7 +38,8 @@ def rand(shape, seed):
 
 # (images, channels, h, w, outputs, kh, kw, stride, pad, dilation, group, bias):
 # output widths below, at and past the 6-pixel tile, 1 to 3 blocks of 16
-# outputs with and without a partial one
+# outputs with and without a partial one, and two blocks of 64 (the wide
+# tiles)
 GEOMETRIES = [
     (2, 3, 9, 11, 16, 3, 3, (1, 1), (1, 1), (1, 1), 1, True),
     (3, 4, 8, 5, 20, 3, 3, (1, 1), (0, 0), (1, 1), 1, False),
@@ -47,6 +48,7 @@ GEOMETRIES = [
     (2, 12, 7, 9, 9, 3, 3, (1, 3), (1, 0), (2, 1), 3, True),
     (5, 8, 6, 6, 33, 2, 2, (1, 1), (1, 1), (2, 2), 1, False),
     (2, 2, 4, 4, 7, 1, 1, (2, 2), (1, 1), (1, 1), 1, True),
+    (2, 8, 7, 9, 128, 3, 3, (1, 1), (1, 1), (1, 1), 1, True),
 ]
 
 
@@ -77,7 +79,7 @@ def test_data_gradient_through_the_direct_forward_is_the_adjoint(forced):
     assert np.isclose((y * dy).sum(), (x.astype(np.float64) * gx).sum(), rtol=1e-4)
 
 
-@pytest.mark.parametrize("n,c,h,w,o,kh,kw,stride,pad,dil,group,bias", GEOMETRIES[:4])
+@pytest.mark.parametrize("n,c,h,w,o,kh,kw,stride,pad,dil,group,bias", GEOMETRIES[:4] + GEOMETRIES[-1:])
 def test_avx2_and_avx512_tiles_give_the_same_bits(n, c, h, w, o, kh, kw, stride, pad, dil, group, bias):
     """Each output is summed in the same order whatever the tile (LLVM
     splits the 16-float vectors where the CPU has no AVX-512), two or four
