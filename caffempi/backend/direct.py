@@ -295,34 +295,41 @@ def _run_pixels(m, b, tiles, x, w, totals, koff, k_first, k_len, pixels, poff):
 
 
 def _banded_forward(m):
-    """banded_forward(x, w, bias, y, koff, totals, poff, images, K, blocks, outputs, oh,
-    ow, x image stride, x row stride, sh, sw, y image stride, band rows):
-    every image, block of outputs and band of ``band rows`` output rows,
-    the band's sums in ``totals`` (band rows * ow * out_block floats)."""
+    """banded_forward(x, w, bias, y, koff, totals, poff, images, K, blocks,
+    outputs, oh, ow, x image stride, x row stride, sh, y image stride, band
+    rows, band images): every block of outputs and band of output pixels,
+    the band's sums in ``totals``; a band is ``band rows`` rows of one
+    image or, where an image fits (band rows = oh), ``band images`` whole
+    images (poff: each pixel's input offset from the band's first)."""
     tiles = {r: _run_tile(m, r) for r in range(1, m.tile.pixels + 1)}
-    fn, b = m.function("banded_forward", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] + [m.i64] * 11)
+    fn, b = m.function("banded_forward", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] + [m.i64] * 12)
     (x, w, bias, y, koff, totals, poff, images, k_len, blocks, outputs, oh, ow, x_image, x_row, sh,
-     y_image, band_rows) = fn.args
+     y_image, band_rows, band_images) = fn.args
     p = b.mul(oh, ow)
     zero = m.const(0)
+    out_block = m.const(m.tile.out_block)
 
     def block(ob, _):
-        first = b.mul(ob, m.const(m.tile.out_block))
+        first = b.mul(ob, out_block)
         wb, bb, valid = b.gep(w, [b.mul(first, k_len)]), b.gep(bias, [first]), b.sub(outputs, first)
 
-        def image(n, _):
+        def image_band(j, _):
+            n = b.mul(j, band_images)
+            count = m.smaller(b, b.sub(images, n), band_images)
             xi, yb = b.gep(x, [b.mul(n, x_image)]), b.gep(y, [b.add(b.mul(n, y_image), b.mul(first, p))])
 
-            def band(i, _):
+            def row_band(i, _):
                 oy = b.mul(i, band_rows)
                 rows = m.smaller(b, b.sub(oh, oy), band_rows)
                 pixels = b.mul(rows, ow)
-                _zero_totals(m, b, totals, pixels)
+                _zero_totals(m, b, totals, b.mul(count, pixels))
                 _run_pixels(m, b, tiles, b.gep(xi, [b.mul(b.mul(oy, sh), x_row)]), wb, totals, koff, zero, k_len,
-                            pixels, poff)
-                _store_totals(m, b, totals, bb, b.gep(yb, [b.mul(oy, ow)]), pixels, p, valid)
-            m.counted(b, b.sdiv(b.add(oh, b.sub(band_rows, m.const(1))), band_rows), band)
-        m.counted(b, images, image)
+                            b.mul(count, pixels), poff)
+                m.counted(b, count, lambda a, _: _store_totals(
+                    m, b, b.gep(totals, [b.mul(b.mul(a, pixels), out_block)]), bb,
+                    b.gep(yb, [b.add(b.mul(a, y_image), b.mul(oy, ow))]), pixels, p, valid))
+            m.counted(b, b.sdiv(b.add(oh, b.sub(band_rows, m.const(1))), band_rows), row_band)
+        m.counted(b, b.sdiv(b.add(images, b.sub(band_images, m.const(1))), band_images), image_band)
     m.counted(b, blocks, block)
     b.ret_void()
 
@@ -512,7 +519,7 @@ def _pixel_weight_gradient(m):
 
 #: the signatures of the kernels, by name, and the functions that write them
 _KERNELS = {"forward": ([_P] * 5 + [_I] * 11, _forward),
-            "banded_forward": ([_P] * 7 + [_I] * 11, _banded_forward),
+            "banded_forward": ([_P] * 7 + [_I] * 12, _banded_forward),
             "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient),
             "data_gradient": ([_P] * 8 + [_I] * 11, _data_gradient),
             "pixel_weight_gradient": ([_P] * 4 + [_I] * 9, _pixel_weight_gradient)}
@@ -554,13 +561,11 @@ def available():
 # reduction of at least _MIN_REDUCTION (in shorter ones its tiles' stores
 # weigh), whole blocks of outputs a group, and one of: at most _FEW_OUTPUTS
 # outputs a group (the GEMMs' weakest shapes, at any reduction); a window
-# over more than one pixel and a reduction the kernel runs banded, under
-# _WINDOW_REDUCTION (in longer ones over small planes the GEMM kept up);
-# a reduction of at most _MAX_REDUCTION with at most _MAX_OUTPUTS outputs
+# over more than one pixel and a reduction the kernel runs banded; a
+# reduction of at most _MAX_REDUCTION with at most _MAX_OUTPUTS outputs
 # a group or a stride over 1 (docs/design/cpu.md, "Where the direct kernel
 # is used" and "Banded").
 _MIN_REDUCTION = 64
-_WINDOW_REDUCTION = 4096
 _MAX_REDUCTION = 1536
 _MAX_OUTPUTS = 64
 _FEW_OUTPUTS = 32
@@ -580,7 +585,7 @@ def suits(cg, og, geom):
     kh, kw, sh, sw = geom[:4]
     k = cg * kh * kw
     return (k >= _MIN_REDUCTION and og % AVX2_TILE.out_block == 0
-            and (og <= _FEW_OUTPUTS or (kh * kw > 1 and BANDED_REDUCTION <= k < _WINDOW_REDUCTION)
+            and (og <= _FEW_OUTPUTS or (kh * kw > 1 and k >= BANDED_REDUCTION)
                  or (k <= _MAX_REDUCTION and (og <= _MAX_OUTPUTS or sh > 1 or sw > 1))))
 
 
@@ -594,14 +599,33 @@ def _offsets(cg, kh, kw, hp, wp, dh, dw):
     return offsets
 
 
+def aligned_empty(shape):
+    """An uninitialised float32 array of ``shape`` starting at a multiple of
+    64 bytes: the tiles' vectors then never straddle two cache lines (NumPy
+    aligns to 16)."""
+    count = int(np.prod(shape))
+    raw = np.empty(count + 16, np.float32)
+    start = (-raw.ctypes.data % 64) // 4
+    return raw[start:start + count].reshape(shape)
+
+
 def _in_blocks(w, out_block):
-    """Weights (groups, outputs, K) as the tiles read them: (groups, blocks
-    of out_block outputs, K, out_block), zero past the outputs."""
-    g, o, k = w.shape
-    blocks = -(-o // out_block)
-    wr = np.zeros((g, blocks * out_block, k), np.float32)
-    wr[:, :o] = w
-    return np.ascontiguousarray(wr.reshape(g, blocks, out_block, k).transpose(0, 1, 3, 2))
+    """Weights (groups, outputs, *term axes), any strides, as the tiles read
+    them: (groups, blocks of out_block outputs, K, out_block), K the term
+    axes flattened in order, zero past the outputs; aligned, and written
+    in one strided copy (the reorder is paid at every call)."""
+    g, o, terms = w.shape[0], w.shape[1], w.shape[2:]
+    k = int(np.prod(terms))
+    blocks, full = -(-o // out_block), o // out_block
+    out = aligned_empty((g, blocks) + terms + (out_block,))
+    last = len(terms) + 2
+    order = (0, 1) + tuple(range(3, last + 1)) + (2,)
+    np.copyto(out[:, :full], w[:, :full * out_block].reshape((g, full, out_block) + terms).transpose(order))
+    if full < blocks:
+        rest = o - full * out_block
+        np.copyto(out[:, full, ..., :rest], np.moveaxis(w[:, full * out_block:], 1, -1))
+        out[:, full, ..., rest:] = 0
+    return out.reshape(g, blocks, k, out_block)
 
 
 def forward(xpad, w, geom, group, y, bias=None, tile=None, banded=None):
@@ -645,14 +669,15 @@ def forward(xpad, w, geom, group, y, bias=None, tile=None, banded=None):
         return run
     kernel = compiled_for(tile, "banded_forward")
     band_rows = max(1, min(oh, BAND_TOTALS // (ow * out_block)))
-    rows, columns = np.divmod(np.arange(band_rows * ow), ow)
-    poff = (rows * sh * wp + columns * sw).astype(np.int64)
+    band_images = max(1, BAND_TOTALS // (oh * ow * out_block)) if band_rows == oh else 1
+    images, rows, columns = np.unravel_index(np.arange(band_images * band_rows * ow), (band_images, band_rows, ow))
+    poff = (images * x_image + rows * sh * wp + columns * sw).astype(np.int64)
 
     def banded_run(a, m):
-        totals = np.empty(band_rows * ow * out_block, np.float32)
+        totals = aligned_empty(band_images * band_rows * ow * out_block)
         for gi in range(g):
             kernel(*at(a, gi), totals.ctypes.data, poff.ctypes.data, m, k, blocks, og, oh, ow, x_image, wp, sh,
-                   y_image, band_rows)
+                   y_image, band_rows, band_images)
     return banded_run
 
 
@@ -785,8 +810,7 @@ class DataGradient:
         self.dy = np.zeros((n, o, oh, row), np.float32)
         # the channels are the tiles' outputs; terms (kernel row, output,
         # kernel column)
-        self.w = _in_blocks(w.reshape(group, self.og, cg, kh, kw).transpose(0, 2, 3, 1, 4).reshape(group, cg, -1),
-                            out_block)
+        self.w = _in_blocks(w.reshape(group, self.og, cg, kh, kw).transpose(0, 2, 3, 1, 4), out_block)
         i, o_, j = np.meshgrid(np.arange(kh), np.arange(self.og), np.arange(kw), indexing="ij")
         self.koff = np.ascontiguousarray((o_ * oh * row - i * row - j).ravel(), np.int64)
         self.zeros = np.zeros(out_block, np.float32)
@@ -820,7 +844,7 @@ class DataGradient:
         ow = self.dy_given.shape[3]
         self.dy[a:a + m, :, :, self.before:self.before + ow] = self.dy_given[a:a + m]
         dy_image, dx_image = o * oh * row, c * h * wd
-        totals = np.empty(self.totals, np.float32)
+        totals = aligned_empty(self.totals)
         for g in range(self.group):
             dy = self.dy.ctypes.data + 4 * (a * dy_image + g * self.og * oh * row + self.before + pw)
             dx = self.dx.ctypes.data + 4 * (a * dx_image + g * self.cg * h * wd)

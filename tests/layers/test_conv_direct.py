@@ -286,7 +286,8 @@ def test_used_only_where_it_suits_and_allowed(monkeypatch):
     cpu.conv2d_forward(rand((2, 1, 8, 8), 0), rand((32, 1, 5, 5), 1), (5, 5, 1, 1, 2, 2, 1, 1), 1)  # 25 taps
     assert len(calls) == 1
     assert direct.suits(3, 96, (11, 11, 4, 4)) and direct.suits(256, 384, (3, 3, 1, 1))
-    assert not direct.suits(512, 512, (3, 3, 1, 1))                  # ResNet-50 res5: 4608 terms
+    assert direct.suits(512, 512, (3, 3, 1, 1))                      # ResNet-50 res5: banded
+    assert not direct.suits(96, 208, (3, 3, 1, 1))                   # 864 terms, 208 outputs: row taps
     assert direct.suits(64, 32, (5, 5, 1, 1)) and not direct.suits(2048, 128, (1, 1, 1, 1))
 
 
@@ -368,6 +369,7 @@ NET_SHAPES = {
     "resnet50 res3 3x3": (2, 128, 28, 28, 128, 3, 1, 1),
     "resnet50 res4 3x3": (8, 256, 14, 14, 256, 3, 1, 1),
     "caffenet conv3": (8, 256, 13, 13, 384, 3, 1, 1),
+    "resnet50 res5 3x3": (8, 512, 7, 7, 512, 3, 1, 1),
     "resnet50 res3a 3x3 stride 2": (2, 128, 28, 28, 128, 3, 2, 1),
     "resnet50 res3a projection": (2, 256, 28, 28, 512, 1, 2, 0),
     "resnet50 res5a projection": (2, 1024, 14, 14, 2048, 1, 2, 0),
