@@ -265,15 +265,17 @@ def _zero_totals(m, b, totals, pixels):
         b.mul(q, m.const(m.tile.out_block)), m.const(v * m.tile.vector))) for v in range(m.tile.vectors)])
 
 
-def _store_totals(m, b, totals, bias, y, pixels, p, valid):
-    """y[o*p + q] = totals[q*out_block + o] + bias[o] for the ``pixels``
-    pixels q and the outputs o < ``valid`` (at most out_block)."""
+def _store_totals(m, b, totals, bias, y, pixels, p, valid, qoff=None):
+    """y[o*p + q] (y[o*p + qoff[q]] with ``qoff``) = totals[q*out_block + o]
+    + bias[o] for the ``pixels`` pixels q and the outputs o < ``valid`` (at
+    most out_block)."""
     out_block = m.const(m.tile.out_block)
 
     def output(o, _):
         yo, bo = b.gep(y, [b.mul(o, p)]), b.load(b.gep(bias, [o]))
         m.counted(b, pixels, lambda q, _: b.store(
-            b.fadd(b.load(b.gep(totals, [b.add(b.mul(q, out_block), o)])), bo), b.gep(yo, [q])))
+            b.fadd(b.load(b.gep(totals, [b.add(b.mul(q, out_block), o)])), bo),
+            b.gep(yo, [q if qoff is None else b.load(b.gep(qoff, [q]))])))
     m.counted(b, m.smaller(b, valid, out_block), output)
 
 
@@ -414,36 +416,31 @@ def _weight_gradient(m):
 
 
 def _data_gradient(m):
-    """data_gradient(dy, w, zeros, dx, koff, totals, poff, bands, images,
-    band count, K, blocks, channels, wd, plane, ph, dy image stride, dy
-    row, dx image stride): the forward's tiles over dy with the weights
-    flipped, a block of channels by a band of dx rows at a time (its sums
-    in ``totals``); a band (first row, rows, first term, terms) is rows
-    that the same kernel rows reach, and sums those only: the terms are
-    ordered (kernel row, output, kernel column), so they are one run."""
+    """data_gradient(dy, w, zeros, dx, koff, totals, poff, qoff, bands,
+    band count, K, blocks, channels, plane): the forward's tiles over dy
+    with the weights flipped, a block of channels by a band of dx pixels
+    at a time (its sums in ``totals``).  A band (first pixel, pixels, first
+    term, terms) is pixels, of any rows and images, that the same kernel
+    rows reach, and sums those only: the terms are ordered (kernel row,
+    output, kernel column), so they are one run; pixel q reads dy from
+    poff[q] on and writes dx at qoff[q]."""
     tiles = {r: _run_tile(m, r) for r in range(1, m.tile.pixels + 1)}
-    fn, b = m.function("data_gradient", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] * 2 + [m.i64] * 11)
-    (dy, w, zeros, dx, koff, totals, poff, bands, images, band_count, k_len, blocks, channels, wd, plane, ph,
-     dy_image, dy_row, dx_image) = fn.args
+    fn, b = m.function("data_gradient", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] * 3 + [m.i64] * 5)
+    dy, w, zeros, dx, koff, totals, poff, qoff, bands, band_count, k_len, blocks, channels, plane = fn.args
     out_block = m.const(m.tile.out_block)
 
     def block(ob, _):
         first = b.mul(ob, out_block)
-        wb, valid = b.gep(w, [b.mul(b.mul(ob, k_len), out_block)]), b.sub(channels, first)
+        wb, dxb, valid = b.gep(w, [b.mul(b.mul(ob, k_len), out_block)]), b.gep(dx, [b.mul(first, plane)]), \
+            b.sub(channels, first)
 
-        def image(n, _):
-            dyn, dxb = b.gep(dy, [b.mul(n, dy_image)]), b.gep(dx, [b.add(b.mul(n, dx_image), b.mul(first, plane))])
-
-            def band(i, _):
-                yy, rows, k_first, terms = (b.load(b.gep(bands, [b.add(b.mul(i, m.const(4)), m.const(f))]))
-                                            for f in range(4))
-                pixels = b.mul(rows, wd)
-                _zero_totals(m, b, totals, pixels)
-                _run_pixels(m, b, tiles, b.gep(dyn, [b.mul(b.add(yy, ph), dy_row)]), wb, totals, koff, k_first,
-                            terms, pixels, poff)
-                _store_totals(m, b, totals, zeros, b.gep(dxb, [b.mul(yy, wd)]), pixels, plane, valid)
-            m.counted(b, band_count, band)
-        m.counted(b, images, image)
+        def band(i, _):
+            start, pixels, k_first, terms = (b.load(b.gep(bands, [b.add(b.mul(i, m.const(4)), m.const(f))]))
+                                             for f in range(4))
+            _zero_totals(m, b, totals, pixels)
+            _run_pixels(m, b, tiles, dy, wb, totals, koff, k_first, terms, pixels, b.gep(poff, [start]))
+            _store_totals(m, b, totals, zeros, dxb, pixels, plane, valid, b.gep(qoff, [start]))
+        m.counted(b, band_count, band)
     m.counted(b, blocks, block)
     b.ret_void()
 
@@ -521,7 +518,7 @@ def _pixel_weight_gradient(m):
 _KERNELS = {"forward": ([_P] * 5 + [_I] * 11, _forward),
             "banded_forward": ([_P] * 7 + [_I] * 12, _banded_forward),
             "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient),
-            "data_gradient": ([_P] * 8 + [_I] * 11, _data_gradient),
+            "data_gradient": ([_P] * 9 + [_I] * 5, _data_gradient),
             "pixel_weight_gradient": ([_P] * 4 + [_I] * 9, _pixel_weight_gradient)}
 
 
@@ -780,6 +777,33 @@ def suits_weight_gradient(cg, og, geom, p):
             and (og <= _FEW_OUTPUTS or p <= _TINY_PLANE or (p <= _SMALL_PLANE and taps >= _LONG_TAPS)))
 
 
+@functools.lru_cache(maxsize=64)
+def _data_gradient_tables(images, kh, ph, dy_image, oh, row, dx_image, h, wd, row_terms, band_pixels):
+    """(poff, qoff, bands) of :class:`DataGradient` for runs of ``images``
+    images: dx's pixels grouped by the kernel rows that reach their row
+    (pixels of every image and row alike together, image by image, row by
+    row), in bands of at most ``band_pixels``; each pixel's dy and dx
+    offsets from the run's first image.  Cached: the same for every call of
+    a layer."""
+    reach = {}
+    for yy in range(h):
+        reach.setdefault((max(0, yy + ph - (oh - 1)), min(kh - 1, yy + ph)), []).append(yy)
+    poff, qoff, bands = [], [], []
+    for (first, last), rows in reach.items():
+        n, yy, x = np.meshgrid(np.arange(images), np.array(rows), np.arange(wd), indexing="ij")
+        at = sum(map(len, poff))
+        poff.append((n * dy_image + (yy + ph) * row + x).ravel())
+        qoff.append((n * dx_image + yy * wd + x).ravel())
+        for start in range(0, poff[-1].size, band_pixels):
+            bands.append((at + start, min(band_pixels, poff[-1].size - start), first * row_terms,
+                          max(0, last - first + 1) * row_terms))
+    tables = tuple(np.ascontiguousarray(np.concatenate(t), np.int64) for t in (poff, qoff)) + (
+        np.array(bands, np.int64),)
+    for t in tables:
+        t.flags.writeable = False
+    return tables
+
+
 class DataGradient:
     """dx of a stride-1, undilated convolution by the banded forward's
     tiles (:func:`tile_for` the channels): the
@@ -804,7 +828,7 @@ class DataGradient:
         out_block = self.tile.out_block
         self.group, self.og, self.cg = group, o // group, cg
         self.blocks = -(-cg // out_block)
-        self.geom, self.x_shape, self.dy_given = geom, x_shape, dy
+        self.geom, self.x_shape, self.dy_given, self.w_shape = geom, x_shape, dy, w.shape
         self.before = kw - 1
         row = self.before + max(ow, wd + geom[5])
         self.dy = np.zeros((n, o, oh, row), np.float32)
@@ -814,43 +838,27 @@ class DataGradient:
         i, o_, j = np.meshgrid(np.arange(kh), np.arange(self.og), np.arange(kw), indexing="ij")
         self.koff = np.ascontiguousarray((o_ * oh * row - i * row - j).ravel(), np.int64)
         self.zeros = np.zeros(out_block, np.float32)
-        band_rows = max(1, min(h, BAND_TOTALS // (wd * out_block)))
-        rows, columns = np.divmod(np.arange(band_rows * wd), wd)
-        self.poff = (rows * row + columns).astype(np.int64)
-        self.bands = self._bands(kh, oh, h, geom[4], self.og * kw, band_rows)
-        self.totals = band_rows * wd * out_block
+        self.band_pixels = max(wd, BAND_TOTALS // out_block)
         self.dx = np.empty(x_shape, np.float32)
         self.kernel = compiled_for(self.tile, "data_gradient")
 
-    @staticmethod
-    def _bands(kh, oh, h, ph, row_terms, band_rows):
-        """(first row, rows, first term, terms) of each band: runs of at
-        most ``band_rows`` dx rows that the same kernel rows reach."""
-        reach = [(max(0, yy + ph - (oh - 1)), min(kh - 1, yy + ph)) for yy in range(h)]
-        bands = []
-        for yy in range(h):
-            first, last = reach[yy]
-            if bands and reach[bands[-1][0]] == reach[yy] and bands[-1][1] < band_rows:
-                bands[-1][1] += 1
-            else:
-                bands.append([yy, 1, first * row_terms, max(0, last - first + 1) * row_terms])
-        return np.array(bands, np.int64)
-
     def run(self, a, m):
         """dx of images a .. a+m-1 (into :meth:`result`'s array)."""
-        kh, kw, _, _, ph, pw = self.geom[:6]
+        pw = self.geom[5]
         n, c, h, wd = self.x_shape
         _, o, oh, row = self.dy.shape
         ow = self.dy_given.shape[3]
         self.dy[a:a + m, :, :, self.before:self.before + ow] = self.dy_given[a:a + m]
-        dy_image, dx_image = o * oh * row, c * h * wd
-        totals = aligned_empty(self.totals)
+        kh, ph = self.geom[0], self.geom[4]
+        poff, qoff, bands = _data_gradient_tables(m, kh, ph, o * oh * row, oh, row, c * h * wd, h, wd,
+                                                  self.og * self.w_shape[3], self.band_pixels)
+        totals = aligned_empty(self.band_pixels * self.tile.out_block)
         for g in range(self.group):
-            dy = self.dy.ctypes.data + 4 * (a * dy_image + g * self.og * oh * row + self.before + pw)
-            dx = self.dx.ctypes.data + 4 * (a * dx_image + g * self.cg * h * wd)
+            dy = self.dy.ctypes.data + 4 * (a * o * oh * row + g * self.og * oh * row + self.before + pw)
+            dx = self.dx.ctypes.data + 4 * (a * c * h * wd + g * self.cg * h * wd)
             self.kernel(dy, self.w[g].ctypes.data, self.zeros.ctypes.data, dx, self.koff.ctypes.data,
-                        totals.ctypes.data, self.poff.ctypes.data, self.bands.ctypes.data, m, len(self.bands),
-                        self.w.shape[2], self.blocks, self.cg, wd, h * wd, ph, dy_image, row, dx_image)
+                        totals.ctypes.data, poff.ctypes.data, qoff.ctypes.data, bands.ctypes.data, len(bands),
+                        self.w.shape[2], self.blocks, self.cg, h * wd)
 
     def result(self):
         """dx (N, C, H, W)."""
