@@ -28,13 +28,15 @@ tile or on how images are split over threads; they differ from the GEMM
 kernels' in the last bits (another summation order).
 
 Banded.  From :data:`BANDED_REDUCTION` terms on, the forward runs each run
-of REDUCTION_BLOCK terms over a band of output pixels (whole rows, taken
-as one run of pixels, so no short tile at each row's end) before the
-next: that run's weights stay in the fast caches, and the tiles' totals
-wait in memory (``BAND_TOTALS`` floats a band), which leaves the
-registers to wider tiles (:data:`AVX512_WIDE_TILE`, four vectors of
-outputs).  The same terms are summed in the same order, so the bits are
-those of the tiles with their totals in registers.
+of REDUCTION_BLOCK terms over a band of output pixels (any pixels, of any
+rows and images, each with its input and output offset from a table, so
+no short tile at a row's end) before the next: that run's weights stay
+in the fast caches, and the tiles' totals wait in memory (``BAND_TOTALS``
+floats a band), which leaves the registers to wider tiles
+(:data:`AVX512_WIDE_TILE`, four vectors of outputs).  The same terms are
+summed in the same order, so the bits are those of the tiles with their
+totals in registers.  The data gradient is the same kernel (``banded``)
+with other tables.
 
 The weight gradient (:class:`WeightGradient`) turns the tile around: its
 vectors run along the outputs (dy copied with each pixel's outputs
@@ -106,8 +108,8 @@ REDUCTION_BLOCK = 32
 #: sums are added to dw at its end): large images in pieces that stay in
 #: the fast caches while every tap runs over them
 BAND_BYTES = 256 << 10
-#: the banded kernels' sums a band, in floats (band rows * row * out_block;
-#: kept in memory between runs of terms)
+#: the banded kernel's sums a band, in floats (pixels * out_block; kept in
+#: memory between runs of terms)
 BAND_TOTALS = 8192
 #: reductions from which the forward runs banded: each run of terms over a
 #: band of output pixels before the next, its weights in the fast caches,
@@ -154,6 +156,18 @@ class _Builder(llvm.Builder):
         b.position_at_end(after)
 
 
+def _products(m, b, vectors, value, sums):
+    """sums[len(vectors)*t + v] + value(t) (broadcast) * vectors[v], for the
+    len(sums) / len(vectors) pixels (or taps) t: one term of a tile.  Each
+    value is loaded beside its products (loaded first, they would be live
+    at once, and the registers spill)."""
+    out = []
+    for t in range(len(sums) // len(vectors)):
+        spread = m.spread(b, value(t))
+        out += [b.call(m.fma, [spread, vector, sums[len(out) + v]]) for v, vector in enumerate(vectors)]
+    return out
+
+
 def _forward_tile(m, r):
     """tile(x, w, bias, y, koff, K, sw, p, valid): y[o*p + t] = (sum over k
     of w[k*out_block + o] * x[koff[k] + t*sw]) + bias[o], for the r pixels t
@@ -176,11 +190,7 @@ def _forward_tile(m, r):
             offset = b.load(b.gep(koff, [k]))
             wk = b.mul(k, m.const(out_block))
             weights = [m.vector_at(b, w, b.add(wk, m.const(v * vector))) for v in range(vectors)]
-            out = []
-            for t in range(r):
-                spread = m.spread(b, b.load(b.gep(x, [b.add(offset, pixel[t])])))
-                out += [b.call(m.fma, [spread, weights[v], sums[vectors * t + v]]) for v in range(vectors)]
-            return out
+            return _products(m, b, weights, lambda t: b.load(b.gep(x, [b.add(offset, pixel[t])])), sums)
         sums = m.counted(b, m.smaller(b, b.sub(k_len, first), block), step, [m.zero] * (vectors * r))
         return [b.fadd(total, s) for total, s in zip(totals, sums)]
 
@@ -246,11 +256,7 @@ def _run_tile(m, r):
         xk = b.gep(x, [b.load(b.gep(koff, [k]))])
         wk = b.mul(k, m.const(out_block))
         weights = [m.vector_at(b, w, b.add(wk, m.const(v * vector))) for v in range(vectors)]
-        out = []
-        for t in range(r):
-            spread = m.spread(b, b.load(b.gep(xk, [pixel[t]])))
-            out += [b.call(m.fma, [spread, weights[v], sums[vectors * t + v]]) for v in range(vectors)]
-        return out
+        return _products(m, b, weights, lambda t: b.load(b.gep(xk, [pixel[t]])), sums)
     sums = m.counted(b, count, step, [m.zero] * (vectors * r))
     for t in range(r):
         for v in range(vectors):
@@ -265,17 +271,17 @@ def _zero_totals(m, b, totals, pixels):
         b.mul(q, m.const(m.tile.out_block)), m.const(v * m.tile.vector))) for v in range(m.tile.vectors)])
 
 
-def _store_totals(m, b, totals, bias, y, pixels, p, valid, qoff=None):
-    """y[o*p + q] (y[o*p + qoff[q]] with ``qoff``) = totals[q*out_block + o]
-    + bias[o] for the ``pixels`` pixels q and the outputs o < ``valid`` (at
-    most out_block)."""
+def _store_totals(m, b, totals, bias, y, pixels, p, valid, qoff):
+    """y[o*p + qoff[q]] = totals[q*out_block + o] + bias[o] for the
+    ``pixels`` pixels q and the outputs o < ``valid`` (at most
+    out_block)."""
     out_block = m.const(m.tile.out_block)
 
     def output(o, _):
         yo, bo = b.gep(y, [b.mul(o, p)]), b.load(b.gep(bias, [o]))
         m.counted(b, pixels, lambda q, _: b.store(
             b.fadd(b.load(b.gep(totals, [b.add(b.mul(q, out_block), o)])), bo),
-            b.gep(yo, [q if qoff is None else b.load(b.gep(qoff, [q]))])))
+            b.gep(yo, [b.load(b.gep(qoff, [q]))])))
     m.counted(b, m.smaller(b, valid, out_block), output)
 
 
@@ -294,46 +300,6 @@ def _run_pixels(m, b, tiles, x, w, totals, koff, k_first, k_len, pixels, poff):
         m.tiled(b, pixels, tiles, lambda tile, q: b.call(tile, [
             x, w, b.gep(totals, [b.mul(q, out_block)]), koff, b.add(k_first, first), count, b.gep(poff, [q])]))
     m.counted(b, b.sdiv(b.add(k_len, m.const(REDUCTION_BLOCK - 1)), block), run)
-
-
-def _banded_forward(m):
-    """banded_forward(x, w, bias, y, koff, totals, poff, images, K, blocks,
-    outputs, oh, ow, x image stride, x row stride, sh, y image stride, band
-    rows, band images): every block of outputs and band of output pixels,
-    the band's sums in ``totals``; a band is ``band rows`` rows of one
-    image or, where an image fits (band rows = oh), ``band images`` whole
-    images (poff: each pixel's input offset from the band's first)."""
-    tiles = {r: _run_tile(m, r) for r in range(1, m.tile.pixels + 1)}
-    fn, b = m.function("banded_forward", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] + [m.i64] * 12)
-    (x, w, bias, y, koff, totals, poff, images, k_len, blocks, outputs, oh, ow, x_image, x_row, sh,
-     y_image, band_rows, band_images) = fn.args
-    p = b.mul(oh, ow)
-    zero = m.const(0)
-    out_block = m.const(m.tile.out_block)
-
-    def block(ob, _):
-        first = b.mul(ob, out_block)
-        wb, bb, valid = b.gep(w, [b.mul(first, k_len)]), b.gep(bias, [first]), b.sub(outputs, first)
-
-        def image_band(j, _):
-            n = b.mul(j, band_images)
-            count = m.smaller(b, b.sub(images, n), band_images)
-            xi, yb = b.gep(x, [b.mul(n, x_image)]), b.gep(y, [b.add(b.mul(n, y_image), b.mul(first, p))])
-
-            def row_band(i, _):
-                oy = b.mul(i, band_rows)
-                rows = m.smaller(b, b.sub(oh, oy), band_rows)
-                pixels = b.mul(rows, ow)
-                _zero_totals(m, b, totals, b.mul(count, pixels))
-                _run_pixels(m, b, tiles, b.gep(xi, [b.mul(b.mul(oy, sh), x_row)]), wb, totals, koff, zero, k_len,
-                            b.mul(count, pixels), poff)
-                m.counted(b, count, lambda a, _: _store_totals(
-                    m, b, b.gep(totals, [b.mul(b.mul(a, pixels), out_block)]), bb,
-                    b.gep(yb, [b.add(b.mul(a, y_image), b.mul(oy, ow))]), pixels, p, valid))
-            m.counted(b, b.sdiv(b.add(oh, b.sub(band_rows, m.const(1))), band_rows), row_band)
-        m.counted(b, b.sdiv(b.add(images, b.sub(band_images, m.const(1))), band_images), image_band)
-    m.counted(b, blocks, block)
-    b.ret_void()
 
 
 def _weight_gradient_tile(m, r):
@@ -365,11 +331,7 @@ def _weight_gradient_tile(m, r):
                 at = b.mul(ox, opad)
                 d = [m.vector_at(b, dr, b.add(at, m.const(v * vector))) for v in range(2)]
                 xp = b.gep(xr, [b.mul(ox, sw)])
-                out = []
-                for t in range(r):
-                    spread = m.spread(b, b.load(b.gep(xp, [offsets[t]])))
-                    out += [b.call(m.fma, [spread, d[v], sums[2 * t + v]]) for v in range(2)]
-                return out
+                return _products(m, b, d, lambda t: b.load(b.gep(xp, [offsets[t]])), sums)
             return m.counted(b, ow, pixel, sums)
         sums = m.counted(b, m.smaller(b, b.sub(oh, first), rows), row, [m.zero] * (2 * r))
         for i, s in enumerate(sums):
@@ -415,31 +377,32 @@ def _weight_gradient(m):
     b.ret_void()
 
 
-def _data_gradient(m):
-    """data_gradient(dy, w, zeros, dx, koff, totals, poff, qoff, bands,
-    band count, K, blocks, channels, plane): the forward's tiles over dy
-    with the weights flipped, a block of channels by a band of dx pixels
-    at a time (its sums in ``totals``).  A band (first pixel, pixels, first
-    term, terms) is pixels, of any rows and images, that the same kernel
-    rows reach, and sums those only: the terms are ordered (kernel row,
-    output, kernel column), so they are one run; pixel q reads dy from
-    poff[q] on and writes dx at qoff[q]."""
+def _banded(m):
+    """banded(x, w, bias, y, koff, totals, poff, qoff, bands, band count, K,
+    blocks, outputs, plane): for each block of outputs and band, the band's
+    pixels summed in ``totals`` over its terms in runs (:func:`_run_pixels`)
+    and stored with the bias.  A band (first pixel, pixels, first term,
+    terms) is any pixels, of any rows and images, that sum the same terms;
+    pixel q reads x from poff[q] on and writes y at qoff[q] (+ o*plane).
+    The forward's bands sum every term; the data gradient's the kernel rows
+    that reach their dx rows (its terms ordered (kernel row, output, kernel
+    column), so they are one run)."""
     tiles = {r: _run_tile(m, r) for r in range(1, m.tile.pixels + 1)}
-    fn, b = m.function("data_gradient", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] * 3 + [m.i64] * 5)
-    dy, w, zeros, dx, koff, totals, poff, qoff, bands, band_count, k_len, blocks, channels, plane = fn.args
+    fn, b = m.function("banded", [m.fp] * 4 + [m.ip] + [m.fp] + [m.ip] * 3 + [m.i64] * 5)
+    x, w, bias, y, koff, totals, poff, qoff, bands, band_count, k_len, blocks, outputs, plane = fn.args
     out_block = m.const(m.tile.out_block)
 
     def block(ob, _):
         first = b.mul(ob, out_block)
-        wb, dxb, valid = b.gep(w, [b.mul(b.mul(ob, k_len), out_block)]), b.gep(dx, [b.mul(first, plane)]), \
-            b.sub(channels, first)
+        wb, bb, yb, valid = (b.gep(w, [b.mul(first, k_len)]), b.gep(bias, [first]), b.gep(y, [b.mul(first, plane)]),
+                             b.sub(outputs, first))
 
         def band(i, _):
             start, pixels, k_first, terms = (b.load(b.gep(bands, [b.add(b.mul(i, m.const(4)), m.const(f))]))
                                              for f in range(4))
             _zero_totals(m, b, totals, pixels)
-            _run_pixels(m, b, tiles, dy, wb, totals, koff, k_first, terms, pixels, b.gep(poff, [start]))
-            _store_totals(m, b, totals, zeros, dxb, pixels, plane, valid, b.gep(qoff, [start]))
+            _run_pixels(m, b, tiles, x, wb, totals, koff, k_first, terms, pixels, b.gep(poff, [start]))
+            _store_totals(m, b, totals, bb, yb, pixels, plane, valid, b.gep(qoff, [start]))
         m.counted(b, band_count, band)
     m.counted(b, blocks, block)
     b.ret_void()
@@ -516,9 +479,8 @@ def _pixel_weight_gradient(m):
 
 #: the signatures of the kernels, by name, and the functions that write them
 _KERNELS = {"forward": ([_P] * 5 + [_I] * 11, _forward),
-            "banded_forward": ([_P] * 7 + [_I] * 12, _banded_forward),
+            "banded": ([_P] * 9 + [_I] * 5, _banded),
             "weight_gradient": ([_P] * 5 + [_I] * 15, _weight_gradient),
-            "data_gradient": ([_P] * 9 + [_I] * 5, _data_gradient),
             "pixel_weight_gradient": ([_P] * 4 + [_I] * 9, _pixel_weight_gradient)}
 
 
@@ -664,17 +626,15 @@ def forward(xpad, w, geom, group, y, bias=None, tile=None, banded=None):
             for gi in range(g):
                 kernel(*at(a, gi), m, k, blocks, og, oh, ow, x_image, wp, sh, sw, y_image)
         return run
-    kernel = compiled_for(tile, "banded_forward")
-    band_rows = max(1, min(oh, BAND_TOTALS // (ow * out_block)))
-    band_images = max(1, BAND_TOTALS // (oh * ow * out_block)) if band_rows == oh else 1
-    images, rows, columns = np.unravel_index(np.arange(band_images * band_rows * ow), (band_images, band_rows, ow))
-    poff = (images * x_image + rows * sh * wp + columns * sw).astype(np.int64)
+    kernel = compiled_for(tile, "banded")
+    pixels = band_pixels(tile)
 
     def banded_run(a, m):
-        totals = aligned_empty(band_images * band_rows * ow * out_block)
+        poff, qoff, bands = _forward_tables(m, oh, ow, x_image, wp, sh, sw, y_image, k, pixels)
+        totals = aligned_empty(pixels * out_block)
         for gi in range(g):
-            kernel(*at(a, gi), totals.ctypes.data, poff.ctypes.data, m, k, blocks, og, oh, ow, x_image, wp, sh,
-                   y_image, band_rows, band_images)
+            kernel(*at(a, gi), totals.ctypes.data, poff.ctypes.data, qoff.ctypes.data, bands.ctypes.data,
+                   len(bands), k, blocks, og, oh * ow)
     return banded_run
 
 
@@ -777,31 +737,49 @@ def suits_weight_gradient(cg, og, geom, p):
             and (og <= _FEW_OUTPUTS or p <= _TINY_PLANE or (p <= _SMALL_PLANE and taps >= _LONG_TAPS)))
 
 
-@functools.lru_cache(maxsize=64)
-def _data_gradient_tables(images, kh, ph, dy_image, oh, row, dx_image, h, wd, row_terms, band_pixels):
-    """(poff, qoff, bands) of :class:`DataGradient` for runs of ``images``
-    images: dx's pixels grouped by the kernel rows that reach their row
-    (pixels of every image and row alike together, image by image, row by
-    row), in bands of at most ``band_pixels``; each pixel's dy and dx
-    offsets from the run's first image.  Cached: the same for every call of
-    a layer."""
-    reach = {}
-    for yy in range(h):
-        reach.setdefault((max(0, yy + ph - (oh - 1)), min(kh - 1, yy + ph)), []).append(yy)
-    poff, qoff, bands = [], [], []
-    for (first, last), rows in reach.items():
-        n, yy, x = np.meshgrid(np.arange(images), np.array(rows), np.arange(wd), indexing="ij")
-        at = sum(map(len, poff))
-        poff.append((n * dy_image + (yy + ph) * row + x).ravel())
-        qoff.append((n * dx_image + yy * wd + x).ravel())
-        for start in range(0, poff[-1].size, band_pixels):
-            bands.append((at + start, min(band_pixels, poff[-1].size - start), first * row_terms,
-                          max(0, last - first + 1) * row_terms))
-    tables = tuple(np.ascontiguousarray(np.concatenate(t), np.int64) for t in (poff, qoff)) + (
-        np.array(bands, np.int64),)
+def band_pixels(tile):
+    """Pixels a band of the banded kernel: its totals, BAND_TOTALS floats."""
+    return BAND_TOTALS // tile.out_block
+
+
+def _tables(groups, pixels):
+    """(poff, qoff, bands) of the banded kernel from ``groups``, each (input
+    offsets, output offsets, first term, terms) of pixels that sum the same
+    terms: each group cut in bands of at most ``pixels`` pixels; read-only
+    (cached by the callers)."""
+    bands, at = [], 0
+    for poff, _, first, terms in groups:
+        bands += [(at + start, min(pixels, poff.size - start), first, terms) for start in range(0, poff.size, pixels)]
+        at += poff.size
+    tables = tuple(np.ascontiguousarray(np.concatenate([g[f].ravel() for g in groups]), np.int64)
+                   for f in (0, 1)) + (np.array(bands, np.int64),)
     for t in tables:
         t.flags.writeable = False
     return tables
+
+
+@functools.lru_cache(maxsize=64)
+def _forward_tables(images, oh, ow, x_image, x_row, sh, sw, y_image, k, pixels):
+    """The forward's tables for runs of ``images`` images: every output
+    pixel, image by image, row by row, sums all ``k`` terms."""
+    n, oy, ox = np.meshgrid(np.arange(images), np.arange(oh), np.arange(ow), indexing="ij")
+    return _tables([(n * x_image + oy * sh * x_row + ox * sw, n * y_image + oy * ow + ox, 0, k)], pixels)
+
+
+@functools.lru_cache(maxsize=64)
+def _data_gradient_tables(images, kh, ph, dy_image, oh, row, dx_image, h, wd, row_terms, pixels):
+    """:class:`DataGradient`'s tables for runs of ``images`` images: dx's
+    pixels grouped by the kernel rows that reach their row (pixels of
+    every image and row alike together, image by image, row by row)."""
+    reach = {}
+    for yy in range(h):
+        reach.setdefault((max(0, yy + ph - (oh - 1)), min(kh - 1, yy + ph)), []).append(yy)
+    groups = []
+    for (first, last), rows in reach.items():
+        n, yy, x = np.meshgrid(np.arange(images), np.array(rows), np.arange(wd), indexing="ij")
+        groups.append((n * dy_image + (yy + ph) * row + x, n * dx_image + yy * wd + x, first * row_terms,
+                       max(0, last - first + 1) * row_terms))
+    return _tables(groups, pixels)
 
 
 class DataGradient:
@@ -837,10 +815,9 @@ class DataGradient:
         self.w = _in_blocks(w.reshape(group, self.og, cg, kh, kw).transpose(0, 2, 3, 1, 4), out_block)
         i, o_, j = np.meshgrid(np.arange(kh), np.arange(self.og), np.arange(kw), indexing="ij")
         self.koff = np.ascontiguousarray((o_ * oh * row - i * row - j).ravel(), np.int64)
-        self.zeros = np.zeros(out_block, np.float32)
-        self.band_pixels = max(wd, BAND_TOTALS // out_block)
+        self.zeros = np.zeros(self.blocks * out_block, np.float32)     # the bias: none
         self.dx = np.empty(x_shape, np.float32)
-        self.kernel = compiled_for(self.tile, "data_gradient")
+        self.kernel = compiled_for(self.tile, "banded")
 
     def run(self, a, m):
         """dx of images a .. a+m-1 (into :meth:`result`'s array)."""
@@ -850,9 +827,10 @@ class DataGradient:
         ow = self.dy_given.shape[3]
         self.dy[a:a + m, :, :, self.before:self.before + ow] = self.dy_given[a:a + m]
         kh, ph = self.geom[0], self.geom[4]
+        pixels = band_pixels(self.tile)
         poff, qoff, bands = _data_gradient_tables(m, kh, ph, o * oh * row, oh, row, c * h * wd, h, wd,
-                                                  self.og * self.w_shape[3], self.band_pixels)
-        totals = aligned_empty(self.band_pixels * self.tile.out_block)
+                                                  self.og * self.w_shape[3], pixels)
+        totals = aligned_empty(pixels * self.tile.out_block)
         for g in range(self.group):
             dy = self.dy.ctypes.data + 4 * (a * o * oh * row + g * self.og * oh * row + self.before + pw)
             dx = self.dx.ctypes.data + 4 * (a * c * h * wd + g * self.cg * h * wd)
