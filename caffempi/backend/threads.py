@@ -32,13 +32,12 @@ History and measurements: docs/design/cpu.md
 """
 import os
 import threading
-from concurrent.futures import ThreadPoolExecutor, wait
 
 from ..common import locally
 from . import denormals
 
 _threads = None       # T, once BLAS has been set to one thread
-_pool = None          # (threads, executor) of the T-1 helper threads
+_pool = None          # the helper threads (_Helpers)
 _region = threading.Lock()   # one parallel region at a time
 _local = threading.local()
 _init_lock = threading.Lock()
@@ -94,14 +93,56 @@ def poll():
         fn()
 
 
-def _executor(threads):
+class _Helpers:
+    """T-1 helper threads, each handed a region's work through a lock of
+    its own (released to start it, a second released when it is done):
+    a region costs about a third of what a ThreadPoolExecutor's submit and
+    wait did (docs/design/cpu.md, "Intra-op threads")."""
+
+    def __init__(self, count):
+        self.count = count
+        self.work = None
+        self.failures = []
+        self.start = [threading.Lock() for _ in range(count)]
+        self.done = [threading.Lock() for _ in range(count)]
+        for lock in self.start + self.done:
+            lock.acquire()
+        for i in range(count):
+            threading.Thread(target=self._serve, args=(i,), name="caffempi-op-%d" % i, daemon=True).start()
+
+    def _serve(self, i):
+        denormals.apply_here()
+        while True:
+            self.start[i].acquire()
+            try:
+                self.work()
+            except BaseException as e:       # handed to the region's caller
+                self.failures.append(e)
+            finally:
+                self.done[i].release()
+
+    def run(self, work, helpers, own):
+        """``work()`` on ``helpers`` of the threads and ``own()`` on the
+        caller at once; returns when all are done, raising the first
+        failure."""
+        self.work, self.failures = work, []
+        for lock in self.start[:helpers]:
+            lock.release()
+        try:
+            own()
+        finally:
+            for lock in self.done[:helpers]:
+                lock.acquire()
+            self.work = None
+        if self.failures:
+            raise self.failures[0]
+
+
+def _helpers(threads):
     global _pool
-    if _pool is None or _pool[0] < threads:
-        if _pool is not None:
-            _pool[1].shutdown(wait=False)
-        _pool = (threads, ThreadPoolExecutor(threads - 1, thread_name_prefix="caffempi-op",
-                                                initializer=denormals.apply_here))
-    return _pool[1]
+    if _pool is None or _pool.count < threads - 1:
+        _pool = _Helpers(threads - 1)     # a smaller one's threads stay parked
+    return _pool
 
 
 def _forget_pool():
@@ -164,10 +205,4 @@ def _run(count, body, fold, threads, progress=None):
         finally:
             _local.inside = False
 
-    helpers = [_executor(threads).submit(work) for _ in range(threads - 1)]
-    try:
-        work(progress)
-    finally:
-        wait(helpers)
-    for h in helpers:
-        h.result()
+    _helpers(threads).run(work, threads - 1, lambda: work(progress))
