@@ -64,7 +64,7 @@ def fill(filler, shape, dtype=np.float32):
 
 
 # A refill draws this many values a generator (a chunk on the kernel threads).
-_REFILL_CHUNK = 1 << 19
+_REFILL_CHUNK = 1 << 16
 
 
 def refill(filler, shape, dtype=np.float32):

@@ -41,10 +41,12 @@ def over_images(fn, inputs, outs):
     """fn(*inputs[images], *outs[images]) over chunks of images (by the size
     of an image of inputs and outs together) on the intra-op threads, fn
     writing its results into the chunks of outs: for kernels that treat
-    every image alike (pooling, LRN).  Returns outs."""
+    every image alike (pooling, LRN), so a multiple of the thread count of
+    chunks (a batch that fits one chunk's bytes still splits over the
+    threads).  Returns outs."""
     n = inputs[0].shape[0]
 
     def chunk(a, m):
         fn(*[t[a:a + m] for t in inputs + outs])
-    each_chunk(chunks(n, sum(t[:1].nbytes for t in inputs + outs)), chunk)
+    each_chunk(chunks(n, sum(t[:1].nbytes for t in inputs + outs), multiple=threads.thread_count()), chunk)
     return outs
