@@ -1,6 +1,7 @@
 """MAX pooling on the CPU compiled from LLVM IR (backend/llvm.py): Caffe's
 loops for any window, stride and padding, 8 neighbouring outputs a vector
-where the column stride is 1-4.
+where the column stride is 1-4, or 8 planes a vector where an output row
+is shorter than 8 (every plane's windows are alike).
 
 Why: the NumPy fallback (backend/cpu/pool.py) takes a copy of the input
 into stride phases and a dozen passes over it to find each window's first
@@ -116,6 +117,59 @@ def _forward(m, real, name, stride=None):
     b.ret_void()
 
 
+def _forward_planes(m, real, name):
+    """name(x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw) as
+    :func:`_forward`, for ``planes`` a multiple of LANES: LANES planes at
+    a time, lane t reading plane t.  Every output's window (clipped alike)
+    is the same in each plane, so a tap is LANES loads hw apart and one
+    compare for all of them: for output rows of fewer than LANES, which
+    the row vectors cannot take (LeNet's 4 outputs a row, GoogLeNet's 7)."""
+    ir = m.ir
+    i32p = m.i32.as_pointer()
+    fn, b = m.function(name, [real.as_pointer()] * 2 + [i32p] + [m.i64] * 11)
+    x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw = fn.args
+    hw, out_hw = b.mul(h, w), b.mul(oh, ow)
+    lowest = ir.Constant(ir.VectorType(real, LANES), [float("-inf")] * LANES)
+    in_lane = [b.mul(m.const(t), hw) for t in range(LANES)]
+    out_lane = [b.mul(m.const(t), out_hw) for t in range(LANES)]
+
+    def group(g, _):
+        first = b.mul(g, m.const(LANES))
+        xg, yg, ig = b.gep(x, [b.mul(first, hw)]), b.gep(y, [b.mul(first, out_hw)]), b.gep(idx, [b.mul(first, out_hw)])
+
+        def out_row(oy, _):
+            top = b.sub(b.mul(oy, sh), ph)
+            h0, h1 = m.larger(b, top, m.const(0)), m.smaller(b, b.add(top, kh), h)
+
+            def column(ox, _):
+                left = b.sub(b.mul(ox, sw), pw)
+                w0, w1 = m.larger(b, left, m.const(0)), m.smaller(b, b.add(left, kw), w)
+
+                def window_row(r, carried):
+                    row = b.add(b.mul(b.add(h0, r), w), w0)
+
+                    def tap(q, carried):
+                        at = b.add(row, q)
+                        v = ir.Constant(lowest.type, ir.Undefined)
+                        for t in range(LANES):
+                            v = b.insert_element(v, b.load(b.gep(xg, [b.add(in_lane[t], at)])), ir.Constant(m.i32, t))
+                        wins = b.fcmp_ordered(">", v, carried[0])
+                        return [b.select(wins, v, carried[0]),
+                                b.select(wins, m.spread(b, b.trunc(at, m.i32), LANES), carried[1])]
+                    return m.counted(b, b.sub(w1, w0), tap, carried)
+                first_tap = m.spread(b, b.trunc(b.add(b.mul(h0, w), w0), m.i32), LANES)
+                best, arg = m.counted(b, b.sub(h1, h0), window_row, [lowest, first_tap])
+                out = b.add(b.mul(oy, ow), ox)
+                for t in range(LANES):
+                    at = b.add(out_lane[t], out)
+                    b.store(b.extract_element(best, ir.Constant(m.i32, t)), b.gep(yg, [at]))
+                    b.store(b.extract_element(arg, ir.Constant(m.i32, t)), b.gep(ig, [at]))
+            m.counted(b, ow, column)
+        m.counted(b, oh, out_row)
+    m.counted(b, b.sdiv(planes, m.const(LANES)), group)
+    b.ret_void()
+
+
 def _backward(m, real, name):
     """name(dy, idx, dx, planes, hw, out_hw): plane by plane, dx zeroed,
     then dx[idx] += dy output by output."""
@@ -149,6 +203,9 @@ def _kernel(kind, dtype, stride=None):
     if kind == "forward":
         _forward(m, real, "kernel", stride)
         arguments = [_P] * 3 + [_I] * 11
+    elif kind == "planes":
+        _forward_planes(m, real, "kernel")
+        arguments = [_P] * 3 + [_I] * 11
     else:
         _backward(m, real, "kernel")
         arguments = [_P] * 3 + [_I] * 3
@@ -169,9 +226,18 @@ def max_forward(x, geom, y, idx):
     the module says.  Call only where :func:`available`."""
     n, c, h, w = x.shape
     oh, ow = y.shape[2:]
+    kind = _TYPES[x.dtype]
+    sizes = (h, w, oh, ow) + tuple(geom[:6])
+    planes = n * c
+    if ow < LANES:      # no row vectors: lanes across planes, the rest one at a time
+        grouped = planes - planes % LANES
+        _kernel("planes", kind)(x.ctypes.data, y.ctypes.data, idx.ctypes.data, grouped, *sizes)
+        step = x.itemsize
+        _kernel("forward", kind)(x.ctypes.data + step * grouped * h * w, y.ctypes.data + step * grouped * oh * ow,
+                                 idx.ctypes.data + 4 * grouped * oh * ow, planes - grouped, *sizes)
+        return
     stride = geom[3] if geom[3] in VECTOR_STRIDES else None
-    _kernel("forward", _TYPES[x.dtype], stride)(x.ctypes.data, y.ctypes.data, idx.ctypes.data, n * c,
-                                                h, w, oh, ow, *geom[:6])
+    _kernel("forward", kind, stride)(x.ctypes.data, y.ctypes.data, idx.ctypes.data, planes, *sizes)
 
 
 def max_backward(dy, idx, dx):

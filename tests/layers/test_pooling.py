@@ -141,6 +141,26 @@ def test_max_ties_go_to_first_in_raster_order():
     assert bottom[0].diff.sum() == 4
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_lanes_across_planes_give_the_one_plane_kernels_bits(dtype):
+    """Rows of fewer than 8 outputs run 8 planes at a time: the same
+    maxima and argmax as the kernel of one plane at a time, bitwise, with
+    ties (the first in raster order), NaN passed over and clipped windows."""
+    if not pooling.available(dtype):
+        pytest.skip("the compiled kernels need x86-64 and llvmlite")
+    x = np.random.RandomState(0).standard_normal((2, 13, 9, 9)).astype(dtype)
+    x[0, 1, :3, :3] = 1.0                      # ties
+    x[1, 4, 2, 2] = x[0, 9, 0, 0] = np.nan
+    geom = (3, 3, 2, 2, 1, 1, 1, 1)
+    y, idx = (np.empty((2, 13, 5, 5), t) for t in (dtype, np.int32))
+    pooling.max_forward(x, geom, y, idx)
+    one = pooling._kernel("forward", pooling._TYPES[np.dtype(dtype)])
+    y1, idx1 = (np.empty_like(a) for a in (y, idx))
+    one(x.ctypes.data, y1.ctypes.data, idx1.ctypes.data, 26, 9, 9, 5, 5, *geom[:6])
+    np.testing.assert_array_equal(y, y1)
+    np.testing.assert_array_equal(idx, idx1)
+
+
 def test_max_pool_float32():
     x = distinct(2, 3, 9, 9).astype(np.float32)
     _, _, top = run_layer(pool_text("pool: MAX kernel_size: 3 stride: 2 pad: 1"), [x], num_top=2,
@@ -172,6 +192,8 @@ def test_errors(text, shape, ntop):
     ((1, 2, 13, 13), (3, 3, 2, 2, 0, 0)),       # odd sides (CaffeNet's pools)
     ((2, 3, 8, 8), (2, 2, 2, 2, 0, 0)),         # windows that tile the image exactly
     ((2, 2, 5, 6), (5, 6, 1, 1, 0, 0)),         # one window: global
+    ((3, 7, 8, 8), (3, 3, 2, 2, 1, 1)),         # rows of 4 outputs, 21 planes: lanes across planes and a rest
+    ((2, 8, 7, 7), (3, 3, 1, 1, 1, 1)),         # rows of 7 (GoogLeNet's 7x7 pools), 16 planes
 ])
 def test_max_pool_kernels_match_loops(compiled, dtype, shape, geom):
     """The compiled kernels (backend/pooling.py) and the NumPy forms give
