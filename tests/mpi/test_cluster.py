@@ -150,8 +150,12 @@ def test_the_hosts_are_torn_down_on_error_and_on_signals(how):
             "        sys.stdin.readline()                 # the test has seen the hosts\n"
             "        raise RuntimeError('boom')\n"
             "    time.sleep(60)\n" % prefix)
+    # SIGINT at its default in the child, as at a terminal: a suite run in
+    # the background (``nohup ... &``) passes it on ignored, and Python then
+    # raises no KeyboardInterrupt
     p = subprocess.Popen([sys.executable, "-c", code, str(how)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                         stderr=subprocess.PIPE, text=True, cwd=str(REPO))
+                         stderr=subprocess.PIPE, text=True, cwd=str(REPO),
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     try:
         assert p.stdout.readline().strip() == "up"
         assert len(_namespaces(prefix)) == 3            # two hosts and the bridge
