@@ -31,12 +31,17 @@ LANES = 8                       # outputs a vector
 VECTOR_STRIDES = (1, 2, 3, 4)   # column strides with a vector kernel of their own
 
 
-def _forward(m, real, name, stride=None):
+def _forward(m, real, name, stride=None, across=1):
     """name(x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw); with
     ``stride`` (sw == stride), LANES neighbouring outputs whose windows lie
     inside the row at a time, in vectors: each tap one load of the row's
     7 * stride + 1 values from the group's first and a shuffle of every
-    stride-th (no gathers); the other outputs one at a time."""
+    stride-th (no gathers); the other outputs one at a time.  With
+    ``across`` = LANES (``planes`` then a multiple of it), each output of
+    LANES planes at once, lane t reading plane t: every plane's windows
+    are alike (clipped alike), so a tap is LANES loads hw apart and one
+    compare, for output rows too short for the row vectors (LeNet's 4
+    outputs a row, GoogLeNet's 7)."""
     ir = m.ir
     i32p = m.i32.as_pointer()
     fn, b = m.function(name, [real.as_pointer()] * 2 + [i32p] + [m.i64] * 11)
@@ -48,8 +53,31 @@ def _forward(m, real, name, stride=None):
         # lane t's column offset from the group's first: the shuffle's mask too
         every = ir.Constant(ir.VectorType(m.i32, LANES), [t * stride for t in range(LANES)])
 
+    if across > 1:
+        lowest = ir.Constant(ir.VectorType(real, across), [float("-inf")] * across)
+    in_lane = [b.mul(m.const(t), hw) for t in range(across)]
+    out_lane = [b.mul(m.const(t), out_hw) for t in range(across)]
+
     def plane(p, _):
-        xp, yp, ip = b.gep(x, [b.mul(p, hw)]), b.gep(y, [b.mul(p, out_hw)]), b.gep(idx, [b.mul(p, out_hw)])
+        first_plane = b.mul(p, m.const(across))
+        xp, yp, ip = (b.gep(x, [b.mul(first_plane, hw)]), b.gep(y, [b.mul(first_plane, out_hw)]),
+                      b.gep(idx, [b.mul(first_plane, out_hw)]))
+
+        def load_planes(at):
+            """The value at ``at`` in each of the ``across`` planes, and ``at``."""
+            if across == 1:
+                return b.load(b.gep(xp, [at])), b.trunc(at, m.i32)
+            v = ir.Constant(lowest.type, ir.Undefined)
+            for t in range(across):
+                v = b.insert_element(v, b.load(b.gep(xp, [b.add(in_lane[t], at)])), ir.Constant(m.i32, t))
+            return v, m.spread(b, b.trunc(at, m.i32), across)
+
+        def store_planes(value, base, at):
+            """base[at] = value, in each of the ``across`` planes."""
+            if across == 1:
+                return b.store(value, b.gep(base, [at]))
+            for t in range(across):
+                b.store(b.extract_element(value, ir.Constant(m.i32, t)), b.gep(base, [b.add(out_lane[t], at)]))
 
         def out_row(oy, _):
             top = b.sub(b.mul(oy, sh), ph)
@@ -73,11 +101,10 @@ def _forward(m, real, name, stride=None):
             def column(ox):
                 left = b.sub(b.mul(ox, sw), pw)
                 w0, w1 = m.larger(b, left, m.const(0)), m.smaller(b, b.add(left, kw), w)
-                best, arg = window(w0, b.sub(w1, w0), lambda at: (b.load(b.gep(xp, [at])), b.trunc(at, m.i32)),
-                                   [lowest, b.trunc(b.add(b.mul(h0, w), w0), m.i32)])
+                best, arg = window(w0, b.sub(w1, w0), load_planes, [lowest, load_planes(b.add(b.mul(h0, w), w0))[1]])
                 out = b.add(out_row_at, ox)
-                b.store(best, b.gep(yp, [out]))
-                b.store(arg, b.gep(ip, [out]))
+                store_planes(best, yp, out)
+                store_planes(arg, ip, out)
 
             def columns(start, stop):
                 m.counted(b, b.sub(stop, start), lambda i, _: column(b.add(start, i)))
@@ -113,60 +140,7 @@ def _forward(m, real, name, stride=None):
                 with scalars:
                     columns(m.const(0), ow)
         m.counted(b, oh, out_row)
-    m.counted(b, planes, plane)
-    b.ret_void()
-
-
-def _forward_planes(m, real, name):
-    """name(x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw) as
-    :func:`_forward`, for ``planes`` a multiple of LANES: LANES planes at
-    a time, lane t reading plane t.  Every output's window (clipped alike)
-    is the same in each plane, so a tap is LANES loads hw apart and one
-    compare for all of them: for output rows of fewer than LANES, which
-    the row vectors cannot take (LeNet's 4 outputs a row, GoogLeNet's 7)."""
-    ir = m.ir
-    i32p = m.i32.as_pointer()
-    fn, b = m.function(name, [real.as_pointer()] * 2 + [i32p] + [m.i64] * 11)
-    x, y, idx, planes, h, w, oh, ow, kh, kw, sh, sw, ph, pw = fn.args
-    hw, out_hw = b.mul(h, w), b.mul(oh, ow)
-    lowest = ir.Constant(ir.VectorType(real, LANES), [float("-inf")] * LANES)
-    in_lane = [b.mul(m.const(t), hw) for t in range(LANES)]
-    out_lane = [b.mul(m.const(t), out_hw) for t in range(LANES)]
-
-    def group(g, _):
-        first = b.mul(g, m.const(LANES))
-        xg, yg, ig = b.gep(x, [b.mul(first, hw)]), b.gep(y, [b.mul(first, out_hw)]), b.gep(idx, [b.mul(first, out_hw)])
-
-        def out_row(oy, _):
-            top = b.sub(b.mul(oy, sh), ph)
-            h0, h1 = m.larger(b, top, m.const(0)), m.smaller(b, b.add(top, kh), h)
-
-            def column(ox, _):
-                left = b.sub(b.mul(ox, sw), pw)
-                w0, w1 = m.larger(b, left, m.const(0)), m.smaller(b, b.add(left, kw), w)
-
-                def window_row(r, carried):
-                    row = b.add(b.mul(b.add(h0, r), w), w0)
-
-                    def tap(q, carried):
-                        at = b.add(row, q)
-                        v = ir.Constant(lowest.type, ir.Undefined)
-                        for t in range(LANES):
-                            v = b.insert_element(v, b.load(b.gep(xg, [b.add(in_lane[t], at)])), ir.Constant(m.i32, t))
-                        wins = b.fcmp_ordered(">", v, carried[0])
-                        return [b.select(wins, v, carried[0]),
-                                b.select(wins, m.spread(b, b.trunc(at, m.i32), LANES), carried[1])]
-                    return m.counted(b, b.sub(w1, w0), tap, carried)
-                first_tap = m.spread(b, b.trunc(b.add(b.mul(h0, w), w0), m.i32), LANES)
-                best, arg = m.counted(b, b.sub(h1, h0), window_row, [lowest, first_tap])
-                out = b.add(b.mul(oy, ow), ox)
-                for t in range(LANES):
-                    at = b.add(out_lane[t], out)
-                    b.store(b.extract_element(best, ir.Constant(m.i32, t)), b.gep(yg, [at]))
-                    b.store(b.extract_element(arg, ir.Constant(m.i32, t)), b.gep(ig, [at]))
-            m.counted(b, ow, column)
-        m.counted(b, oh, out_row)
-    m.counted(b, b.sdiv(planes, m.const(LANES)), group)
+    m.counted(b, b.sdiv(planes, m.const(across)), plane)
     b.ret_void()
 
 
@@ -191,9 +165,10 @@ def _backward(m, real, name):
 
 
 @functools.lru_cache(maxsize=None)
-def _kernel(kind, dtype, stride=None):
+def _kernel(kind, dtype, stride=None, across=1):
     """The compiled ``kind`` ("forward" or "backward") for ``dtype`` (and a
-    column stride with a vector form) as a ctypes function, each in a module
+    column stride with a vector form, or the planes an output vector takes:
+    :func:`_forward`) as a ctypes function, each in a module
     of its own, compiled when first asked for (the module of all of them
     took 0.4-0.7 s, paid by every process that pools); None where it does
     not run.  The chunks' threads may ask at once: LLVM compiles one at a
@@ -201,10 +176,7 @@ def _kernel(kind, dtype, stride=None):
     m = llvm.Builder("caffempi_pooling", 1)
     real = m.f32 if dtype == "f32" else m.f64
     if kind == "forward":
-        _forward(m, real, "kernel", stride)
-        arguments = [_P] * 3 + [_I] * 11
-    elif kind == "planes":
-        _forward_planes(m, real, "kernel")
+        _forward(m, real, "kernel", stride, across)
         arguments = [_P] * 3 + [_I] * 11
     else:
         _backward(m, real, "kernel")
@@ -231,10 +203,9 @@ def max_forward(x, geom, y, idx):
     planes = n * c
     if ow < LANES:      # no row vectors: lanes across planes, the rest one at a time
         grouped = planes - planes % LANES
-        _kernel("planes", kind)(x.ctypes.data, y.ctypes.data, idx.ctypes.data, grouped, *sizes)
-        step = x.itemsize
-        _kernel("forward", kind)(x.ctypes.data + step * grouped * h * w, y.ctypes.data + step * grouped * oh * ow,
-                                 idx.ctypes.data + 4 * grouped * oh * ow, planes - grouped, *sizes)
+        _kernel("forward", kind, across=LANES)(x.ctypes.data, y.ctypes.data, idx.ctypes.data, grouped, *sizes)
+        rest = [a.reshape(planes, -1)[grouped:].ctypes.data for a in (x, y, idx)]
+        _kernel("forward", kind)(*rest, planes - grouped, *sizes)
         return
     stride = geom[3] if geom[3] in VECTOR_STRIDES else None
     _kernel("forward", kind, stride)(x.ctypes.data, y.ctypes.data, idx.ctypes.data, planes, *sizes)

@@ -97,7 +97,7 @@ class _Helpers:
     """T-1 helper threads, each handed a region's work through a lock of
     its own (released to start it, a second released when it is done):
     a region costs about a third of what a ThreadPoolExecutor's submit and
-    wait did (docs/design/cpu.md, "Intra-op threads")."""
+    wait did (docs/design/cpu.md, "Handing a region to the helpers")."""
 
     def __init__(self, count):
         self.count = count
