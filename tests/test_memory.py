@@ -5,7 +5,7 @@ import sys
 import numpy as np
 import pytest
 
-from caffempi import CaffeError, Net, TEST, TRAIN, set_random_seed
+from caffempi import Blob, CaffeError, Net, TEST, TRAIN, set_random_seed
 from caffempi.common import get_rng_state
 from caffempi.memory import measure, training_variant
 from caffempi.timing import randomize_inputs, time_net
@@ -140,6 +140,28 @@ def test_outputs_inputs_and_requested_blobs_keep_their_values(mode):
     net.backward()
     with pytest.raises(CaffeError, match="freed"):
         net.backward()
+
+
+def test_a_new_batch_keeps_released_blobs_released_and_the_numbers():
+    """Uneven batch shares reshape every blob often: a blob the plan released
+    stays released at its new shape (no zeros allocated for it), one that
+    keeps its data gets zeros, and the pass gives the numbers of ``none``."""
+    ref, net = make_mlp("none"), make_mlp("reuse")
+    for n in (4, 3):
+        x, t = np.random.RandomState(n).randn(n, 3), np.random.RandomState(n + 9).randn(n, 2)
+        for m in (ref, net):
+            m.blobs["data"].reshape(n, 3)
+            m.blobs["target"].reshape(n, 2)
+            m.blobs["data"].data[...], m.blobs["target"].data[...] = x, t
+        net.reshape()
+        assert net.memory.is_freed(net.blobs["ip1"]) and net.blobs["ip1"].data.shape[0] == n
+        assert not net.memory.is_freed(net.blobs["data"])
+        ref.forward(), net.forward()
+        ref.backward(), net.backward()
+        np.testing.assert_array_equal(net.param_diff, ref.param_diff)
+    fresh = Blob((2, 3))
+    fresh.reshape(3, 3)
+    assert fresh.data.flags.writeable and not fresh.data.any()
 
 
 def test_unknown_and_gpu_only_modes():
