@@ -170,15 +170,14 @@ class SimulatedClock:
         return self.now
 
 
-def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
+def simulated_pair(mode):
+    """(net, rank 1's seconds a record {"per_record": ...}, world, balancer,
+    iterate(n)): rank 0 of a pair at 1 ms a record, batch 6."""
     net = mlp(6, shard=(0, 2))
     net.layers[0].reset(np.zeros((12, 2, 3, 3), np.float32), np.zeros(12, np.float32))
     slow = {"per_record": 0.003}
-
-    def other(_):                          # rank 1's median seconds a record
-        return slow["per_record"]
-    world = PairWorld(other)
-    balancer = ShareBalancer("auto:0.1", clock=SimulatedClock(net, 0.001))
+    world = PairWorld(lambda _: slow["per_record"])
+    balancer = ShareBalancer(mode, clock=SimulatedClock(net, 0.001))
     balancer.attach(world, net)
 
     def iterate(n):
@@ -186,6 +185,11 @@ def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
             balancer.before_iteration()
             net.forward_backward()
             balancer.after_compute()
+    return net, slow, world, balancer, iterate
+
+
+def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
+    net, slow, world, balancer, iterate = simulated_pair("auto:0.1")
     iterate(5)
     assert net.batch_shares is None and world.gathers == 0
     iterate(1)                             # the first gather sets the period: 0.1 s / 18 ms = 6
@@ -206,6 +210,33 @@ def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
     assert net.batch_shares == (9, 3)
     again.before_iteration()
     assert again.state()["count"] == saved["count"] + 1
+
+
+def test_auto_decides_every_iteration_from_the_last_one_and_logs_at_most_once_a_while(caplog):
+    """Plain ``auto`` gathers at every iteration after the warm-up and moves
+    the shares at the next one; the log's share lines are spaced by
+    ``log_every``, the last change kept for the first decision after it."""
+    net, slow, world, balancer, iterate = simulated_pair("auto")
+    balancer.log_every = 3600.0
+    with caplog.at_level("INFO"):
+        iterate(5)
+        assert world.gathers == 0 and net.batch_shares is None
+        iterate(1)                         # the first gather decides: 1 ms a record against 3
+        assert world.gathers == 1 and net.batch_shares == (9, 3)
+        slow["per_record"] = 0.001
+        iterate(1)                         # the last iteration's speeds alone: equal again
+        assert world.gathers == 2 and net.batch_shares is None
+        slow["per_record"] = 0.002
+        iterate(1)
+        assert world.gathers == 3 and net.batch_shares == (8, 4)
+        lines = [r.getMessage() for r in caplog.records if "step ms" in r.getMessage()]
+        assert lines == ["Batch shares: 9 3 of 12 (step ms by rank: 6.0 18.0)"]
+        balancer.log_every = 0.0
+        iterate(1)                         # no change, but the last one is logged now
+        lines = [r.getMessage() for r in caplog.records if "step ms" in r.getMessage()]
+        assert lines[1:] == ["Batch shares: 8 4 of 12 (step ms by rank: 6.0 12.0)"]
+        iterate(1)
+        assert len([r for r in caplog.records if "step ms" in r.getMessage()]) == 2
 
 
 def test_the_balancer_keeps_equal_shares_where_it_must(caplog):

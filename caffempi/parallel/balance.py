@@ -10,24 +10,26 @@ samples (BatchNorm on batch statistics, a loss normalised by this rank's own
 count of valid labels) keep equal shares, and say why once.
 
 ``auto`` measures each rank's compute seconds in each iteration (from the
-start of the iteration to the gradient sync's wait), and every *period* of
-iterations the ranks all-gather their seconds a record over the period
-(its seconds over its records: a throughput, which holds a CPU quota's
-stalls, where a median of iterations would see only the unthrottled ones).  The first gather, after ``warmup`` iterations, only
-sets the period: about ``interval`` seconds of steps (at least
-``shortest`` iterations).  From each rank's seconds a record every rank
-derives the same new shares: counts proportional to speed, in whole
-records (largest remainders), none below ``floor`` (b/10, at least 1).
-They are announced to the net as many iterations ahead as its data
+start of the iteration to the gradient sync's wait) and, after ``warmup``
+iterations, the ranks all-gather their seconds a record at the start of
+every iteration: the last iteration's.  From those every rank derives the
+same new shares: counts proportional to speed, in whole records (largest
+remainders), none below ``floor`` (b/10, at least 1).  Every iteration,
+because a rank's speed on a shared machine persists from one step to the
+next but not for a second: replaying per-step times measured on a shared
+2-vCPU VM, shares from the last step came within 2-3% of an oracle's, and
+shares from the last 10 steps gained almost nothing over equal ones
+(docs/design/parallel.md).  ``auto:SECONDS`` decides instead every period
+of about SECONDS of steps (at least ``shortest`` iterations; the first
+gather only sets the period) from its throughput, the seconds over the
+records of the whole period, which holds a CPU quota's stalls.
+New shares are announced to the net as many iterations ahead as its data
 readers may have read (``Net.share_lookahead``), so that the readers read
 them without a restart, and only where the predicted step (the slowest
 rank's share times its seconds a record) is at least ``gain`` (2%)
 shorter than the present one's: noise does not move them.  Proportional
 shares converge to equal compute times, the synchronous step's optimum,
-whatever each rank's fixed cost an iteration.  The default interval is
-short because the speeds it follows change fast: on a shared 2-vCPU VM
-each core's speed flips between two levels every second or so
-(docs/performance/scaling.md).
+whatever each rank's fixed cost an iteration.
 
 A fixed ``B0:B1:...`` takes those counts for the whole run (a cluster whose
 speeds are known, and the tests).  The shares in effect and those announced,
@@ -96,13 +98,15 @@ class ShareBalancer:
 
     #: the share of the step a change must save
     gain = 0.02
-    #: iterations measured before the first gather, which sets the period
+    #: iterations measured before the first gather
     warmup = 5
-    #: the fewest iterations a period (fewer measure noise)
+    #: the fewest iterations a period of ``auto:SECONDS``
     shortest = 3
 
-    #: seconds of steps between decisions (auto)
-    interval = 0.3
+    #: seconds of steps between decisions (``auto:SECONDS``; None: every iteration)
+    interval = None
+    #: the fewest seconds between two of the log's share lines
+    log_every = 1.0
 
     def __init__(self, mode="auto", clock=time.perf_counter):
         self.mode, self.fixed, interval = parse_balance(mode)
@@ -116,9 +120,11 @@ class ShareBalancer:
         self._why = None
         self._count = 0              # iterations begun since the last decision
         self._period = self.warmup
-        self._calibrated = False     # the period is set from measured steps
+        self._calibrated = self.interval is None     # the period is set (from measured steps, if periodic)
         self._window = []            # (compute seconds, records) of the iterations since the last decision
         self._start = None
+        self._logged = None          # time.monotonic() at the last share line
+        self._unlogged = None        # the step ms by rank before the last change, if not yet logged
 
     @property
     def active(self):
@@ -180,10 +186,13 @@ class ShareBalancer:
         per_record = self.world.allgather(mine, "the ranks' step times for the batch shares")
         self._window, self._count = [], 0
         current = self.shares or (self.batch,) * self.world.size
+        if self.world.rank == 0:
+            self._log_shares()
         if min(per_record) <= 0.0:
             return
         step_now = max(n * t for n, t in zip(current, per_record))
-        self._period = max(self.shortest, min(1000, int(round(self.interval / step_now))))
+        self._period = 1 if self.interval is None else \
+            max(self.shortest, min(1000, int(round(self.interval / step_now))))
         calibrated, self._calibrated = self._calibrated, True
         if not calibrated:
             return
@@ -195,8 +204,18 @@ class ShareBalancer:
         ahead = -(-self.net.share_lookahead() // iter_size) * iter_size
         self.net.set_batch_shares(self.shares, ahead)
         if self.world.rank == 0:
-            log.info("Batch shares: %s (step ms by rank: %s)", self._describe(),
-                     " ".join("%.1f" % (1e3 * n * t) for n, t in zip(current, per_record)))
+            self._unlogged = " ".join("%.1f" % (1e3 * n * t) for n, t in zip(current, per_record))
+            self._log_shares()
+
+    def _log_shares(self):
+        """Rank 0's line for the last change, at most one a ``log_every``
+        seconds (a line for each iteration's change would bury the log):
+        a change inside that time is logged at the first decision after it."""
+        now = time.monotonic()
+        if self._unlogged is None or (self._logged is not None and now - self._logged < self.log_every):
+            return
+        log.info("Batch shares: %s (step ms by rank: %s)", self._describe(), self._unlogged)
+        self._logged, self._unlogged = now, None
 
     def state(self):
         """What a resumed run needs to read the same records (JSON): the
