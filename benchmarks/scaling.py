@@ -21,7 +21,8 @@ whole gradient, measured alone after the run), exposed (time spent in the
 gradient sync's wait after backward), split into skew (waiting for the other rank
 to finish its backward, from the ranks' common monotonic clock) and comm
 (what is left: communication not hidden behind the slowest rank's backward).
---json writes everything (tools/scaling_model.py reads it).
+--json writes everything (tools/scaling_model.py reads it), each timed step's
+compute seconds and records included (benchmarks/share_replay.py replays them).
 
 --balance off,auto runs each --comm mode with each batch-share setting
 (caffempi train's --balance; a row 'mpi/shm/auto'), and then feeds the nets
@@ -394,6 +395,7 @@ def worker(args):
            "step_ms": 1e3 * elapsed / args.iters,
            "median_step_ms": 1e3 * float(np.median(iter_times)),
            "compute_ms": 1e3 * float(np.mean(compute)),
+           "compute_series": [float(x) for x in compute], "images_series": list(images),
            "forward_ms": 1e3 * float(np.mean(fwd_ms)), "backward_ms": 1e3 * float(np.mean(bwd_ms)),
            "exposed_ms": 1e3 * float(np.mean(exposed)),
            "allreduce_ms": 1e3 * float(np.median(ar)) if ar else 0.0,

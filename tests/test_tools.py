@@ -677,3 +677,27 @@ def test_scaling_model_comm_cost_takes_several_modes_a_rate(tmp_path, capsys):
                                "--link", "1gbit:80:0.9", "--comm_cost", "1gbit:default=1.9,fp16=4.25"]) == 0
     out = capsys.readouterr().out
     assert "default costs the computing thread 1.90 ns a byte; fp16 costs the computing thread 4.25 ns" in out
+
+
+def test_share_replay_runs_the_balancer_over_measured_steps():
+    """benchmarks/share_replay.py: the real balancer over per-step seconds a
+    record.  A rank three times slower throughout: after the warm-up, plain
+    auto takes 9:3 at once (the pair's pace), and shares announced 5 passes
+    ahead arrive 5 steps later; equal shares go at the slower rank's pace."""
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    try:
+        import share_replay
+    finally:
+        sys.path.pop(0)
+    s = np.array([[0.001] * 40, [0.003] * 40])
+    pair = 1 / 0.001 + 1 / 0.003
+    runs = {"lenet": {"shm": {"raw": [{"batch": 6, "compute_series": list(6 * s[r]), "images_series": [6] * 40}
+                                      for r in range(2)]}}}
+    (label, batch, got), = share_replay.runs(runs)
+    assert label == "lenet shm" and batch == 6
+    np.testing.assert_allclose(got, s)
+    # the 5 warm-up iterations at 6:6 (18 ms), the rest at 9:3 (9 ms); lagged: 5 more at 6:6
+    assert share_replay.replay(s, 6, "auto", 0, 0.0) / pair == pytest.approx(480 / (5 * 0.018 + 35 * 0.009) / pair)
+    assert share_replay.replay(s, 6, "auto", 5, 0.0) / pair == pytest.approx(480 / (10 * 0.018 + 30 * 0.009) / pair)
+    # a change's cost is paid once
+    assert share_replay.replay(s, 6, "auto", 0, 0.005) == pytest.approx(480 / (5 * 0.018 + 35 * 0.009 + 0.005))
