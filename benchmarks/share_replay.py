@@ -9,13 +9,14 @@ Input: the --json of benchmarks/scaling.py or benchmarks/cluster.py, whose
 runs record each timed step's compute seconds and records
 (``compute_series``, ``images_series``).  From each run (the 2-rank job's
 and the independent pair's) each rank's seconds a record at each step are
-taken as that rank's speed then; a replayed step with shares (n0, n1) takes
-max(n_r x s_r), plus --change_ms when the shares changed (a reshape).  The
-efficiency is the replay's records a second over the sum of the ranks' own
-rates (each rank at its own pace, as the independent pair): what a rule
-recovers of what waiting for the slower rank loses, on these speeds.  It
-leaves out what the replayed shares would change in the times themselves
-(a smaller batch's fixed costs) and all communication.
+taken as that rank's speed then; a replayed step with shares (n0, n1)
+takes max(n_r x s_r), plus --change_ms when the shares changed (a
+reshape).  The efficiency is the replay's records a second over the sum of
+the ranks' own rates (each rank at its own pace, as the independent pair):
+what a rule recovers of what waiting for the slower rank loses, on these
+speeds.  "as run" is the same measure of the shares the run itself took.
+It leaves out what the replayed shares would change in the times
+themselves (a smaller batch's fixed costs) and all communication.
 
     .venv/bin/python benchmarks/share_replay.py scaling.json
     .venv/bin/python benchmarks/share_replay.py cluster.json --change_ms 0.7
@@ -104,27 +105,28 @@ def replay(per_record, batch, mode, lookahead, change_s):
 
 
 def series(run_pair):
-    """[rank, step] seconds a record of a 2-rank run (its ranks' records)."""
-    s = [np.asarray(r["compute_series"]) / np.asarray(r["images_series"]) for r in run_pair]
-    n = min(len(x) for x in s)
-    return np.array([x[:n] for x in s])
+    """([rank, step] seconds a record, [rank, step] records) of a 2-rank run."""
+    steps = min(len(r["compute_series"]) for r in run_pair)
+    seconds = np.array([r["compute_series"][:steps] for r in run_pair])
+    records = np.array([r["images_series"][:steps] for r in run_pair])
+    return seconds / records, records
 
 
 def runs(data):
-    """(label, batch, [rank, step] seconds a record) of every 2-rank run in a
-    scaling.py or cluster.py JSON."""
+    """(label, batch, [rank, step] seconds a record, [rank, step] records)
+    of every 2-rank run in a scaling.py or cluster.py JSON."""
     if isinstance(data, dict):                     # scaling.py: net -> mode -> {"raw": [...]}
         for net, modes in data.items():
             for mode, result in modes.items():
                 raw = result.get("raw", [])
                 if len(raw) == 2 and "compute_series" in raw[0]:
-                    yield "%s %s" % (net, mode), raw[0]["batch"], series(raw)
+                    yield ("%s %s" % (net, mode), raw[0]["batch"]) + series(raw)
     else:                                          # cluster.py: rows with the job's and the pair's runs
         for row in data:
             for kind in ("runs", "pair_runs"):
                 raw = row.get(kind, [])
                 if len(raw) == 2 and "compute_series" in raw[0]:
-                    yield "%s %s %s %s" % (row["net"], row["rate"], row["mode"], kind), raw[0]["batch"], series(raw)
+                    yield ("%s %s %s %s" % (row["net"], row["rate"], row["mode"], kind), raw[0]["batch"]) + series(raw)
 
 
 def main():
@@ -135,13 +137,14 @@ def main():
     ap.add_argument("--change_ms", type=float, default=0.0, help="milliseconds a share change adds to its step")
     a = ap.parse_args()
     modes = a.modes.split(",")
-    for label, batch, s in runs(json.load(open(a.json))):
+    for label, batch, s, records in runs(json.load(open(a.json))):
         pair = sum(1.0 / s[r].mean() for r in range(2))
+        as_run = records.sum() / (records * s).max(0).sum()            # the shares the run took
         equal = 2 * batch * s.shape[1] / np.maximum(batch * s[0], batch * s[1]).sum()
         oracle = s.shape[1] / (1.0 / (1.0 / s).sum(0)).sum()        # every step's work split by its speeds
         lag = " (lag of %s iterations; step ms %.1f; %d steps; change %.1f ms)" % (
             a.lookahead, 1e3 * batch * s.mean(), s.shape[1], a.change_ms)
-        print("%s%s\n  equal %.3f  oracle %.3f" % (label, lag, equal / pair, oracle / pair))
+        print("%s%s\n  as run %.3f  equal %.3f  oracle %.3f" % (label, lag, as_run / pair, equal / pair, oracle / pair))
         for lookahead in map(int, a.lookahead.split(",")):
             print("  lag %d: " % lookahead + "  ".join(
                 "%s %.3f" % (mode, replay(s, batch, mode, lookahead, 1e-3 * a.change_ms) / pair) for mode in modes))

@@ -693,8 +693,8 @@ def test_share_replay_runs_the_balancer_over_measured_steps():
     pair = 1 / 0.001 + 1 / 0.003
     runs = {"lenet": {"shm": {"raw": [{"batch": 6, "compute_series": list(6 * s[r]), "images_series": [6] * 40}
                                       for r in range(2)]}}}
-    (label, batch, got), = share_replay.runs(runs)
-    assert label == "lenet shm" and batch == 6
+    (label, batch, got, records), = share_replay.runs(runs)
+    assert label == "lenet shm" and batch == 6 and (records == 6).all()
     np.testing.assert_allclose(got, s)
     # the 5 warm-up iterations at 6:6 (18 ms), the rest at 9:3 (9 ms); lagged: 5 more at 6:6
     assert share_replay.replay(s, 6, "auto", 0, 0.0) / pair == pytest.approx(480 / (5 * 0.018 + 35 * 0.009) / pair)
