@@ -25,9 +25,10 @@ the slowest rank's pace, 1 / min(s) of the fastest's time; with batch
 shares by speed (--balance=auto) every rank takes whole records in
 proportion to its speed, so a step computes in max_r b_r / (s_r b) of the
 fastest rank's time at batch b, the ideal N / sum(s) plus the rounding of
-whole records.  What the balancer cannot follow, jitter faster than its
-period of a few seconds, stays in the straggler term, now a *balance
-residual*: its sigma comes from the skew of runs balanced the same way.
+whole records.  What the balancer cannot follow, jitter from one step to
+the next (it decides from the last step's speeds), stays in the straggler
+term, now a *balance residual*: its sigma comes from the skew of runs
+balanced the same way.
 
 Sufficient factors (--sfb): a layer whose weight comes from the ranks'
 factors (M rows of N + K numbers a rank) sends no weight gradient; its
