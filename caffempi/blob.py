@@ -7,8 +7,8 @@ from .common import CaffeError
 
 
 def _released(data):
-    """Whether ``data`` is a released blob's placeholder: a broadcast of a
-    0-d array (no storage of its own; a 0-d view is not one)."""
+    """Whether ``data`` is what :meth:`Blob.release_data` left: a broadcast
+    of a 0-d array (no storage of its own; a 0-d view is not one)."""
     base = getattr(data, "base", None)
     return base is not None and base.ndim == 0 and data.ndim > 0 and not any(data.strides)
 
@@ -83,13 +83,21 @@ class Blob:
             self._data = self._data.reshape(shape)
             self._diff = self._diff.reshape(shape)
         elif _released(self._data):
-            # a plan released it (MemoryManager.free_data) and its producer rebinds it: zeros would be wasted
-            self._data = self.xp.broadcast_to(self._data.base, shape)
+            # its producer rebinds it: zeros would be wasted
+            self._shape = shape
+            self.release_data(self._data.base)
             self._diff = None
         else:
             self._data = self.xp.zeros(shape, self.dtype)
             self._diff = None
         self._shape = shape
+
+    def release_data(self, zero):
+        """Drop the data (a memory plan ends its lifetime): the blob holds a
+        read-only broadcast of the 0-d array ``zero`` to its shape, no
+        storage, until its producer rebinds it; :meth:`reshape` keeps it
+        released."""
+        self._data = self.xp.broadcast_to(zero, self._shape)
 
     def reshape_like(self, other):
         self.reshape(other.shape)

@@ -257,7 +257,7 @@ class MemoryManager:
         read-only zero-strided placeholder of its shape (no storage)."""
         blob = self.net.blobs[name]
         if not blob.bound:
-            blob._data = self.net.xp.broadcast_to(self._zero, blob.shape)
+            blob.release_data(self._zero)
 
     def is_freed(self, blob):
         return blob._data is not None and _root(blob._data) is self._zero
