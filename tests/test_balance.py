@@ -212,11 +212,14 @@ def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
     assert again.state()["count"] == saved["count"] + 1
 
 
-def test_auto_decides_every_iteration_from_the_last_one_and_logs_at_most_once_a_while(caplog):
+def test_auto_decides_every_iteration_from_smoothed_speeds_and_logs_at_most_once_a_while(caplog):
     """Plain ``auto`` gathers at every iteration after the warm-up and moves
-    the shares at the next one; the log's share lines are spaced by
-    ``log_every``, the last change kept for the first decision after it."""
+    the shares at the next one, from each rank's seconds a record smoothed
+    (half the last iteration's, half the estimate before); the log's share
+    lines are spaced by ``log_every``, the last change kept for the first
+    decision after it."""
     net, slow, world, balancer, iterate = simulated_pair("auto")
+    assert balancer.smoothing == 0.5 and ShareBalancer("auto:0.1").smoothing == 1.0
     balancer.log_every = 3600.0
     with caplog.at_level("INFO"):
         iterate(5)
@@ -224,17 +227,18 @@ def test_auto_decides_every_iteration_from_the_last_one_and_logs_at_most_once_a_
         iterate(1)                         # the first gather decides: 1 ms a record against 3
         assert world.gathers == 1 and net.batch_shares == (9, 3)
         slow["per_record"] = 0.001
-        iterate(1)                         # the last iteration's speeds alone: equal again
-        assert world.gathers == 2 and net.batch_shares is None
-        slow["per_record"] = 0.002
+        iterate(1)                         # rank 1 estimated at 2 ms, then 1.5
+        assert world.gathers == 2 and net.batch_shares == (8, 4)
         iterate(1)
-        assert world.gathers == 3 and net.batch_shares == (8, 4)
+        assert world.gathers == 3 and net.batch_shares == (7, 5)
+        iterate(2)                         # 1.25 ms: 7 and 5 still; 1.125 ms: equal again
+        assert world.gathers == 5 and net.batch_shares is None
         lines = [r.getMessage() for r in caplog.records if "step ms" in r.getMessage()]
         assert lines == ["Batch shares: 9 3 of 12 (step ms by rank: 6.0 18.0)"]
         balancer.log_every = 0.0
         iterate(1)                         # no change, but the last one is logged now
         lines = [r.getMessage() for r in caplog.records if "step ms" in r.getMessage()]
-        assert lines[1:] == ["Batch shares: 8 4 of 12 (step ms by rank: 6.0 12.0)"]
+        assert lines[1:] == ["Batch shares: 6 6 of 12 (step ms by rank: 7.0 5.6)"]
         iterate(1)
         assert len([r for r in caplog.records if "step ms" in r.getMessage()]) == 2
 
