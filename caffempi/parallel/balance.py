@@ -22,10 +22,11 @@ replaying per-step times measured on a shared 2-vCPU VM, shares from the
 last step came within 2-3% of an oracle's, shares from the last 10 steps
 gained almost nothing over equal ones, and the half-and-half estimate
 beat the last step alone in 38 of 42 measured series, by 0.5 points on
-average (docs/design/parallel.md).  ``auto:SECONDS`` decides instead every period
-of about SECONDS of steps (at least ``shortest`` iterations; the first
-gather only sets the period) from its throughput, the seconds over the
-records of the whole period, which holds a CPU quota's stalls.
+average (docs/design/parallel.md).  ``auto:SECONDS`` decides instead
+every period of about SECONDS of steps (at least ``shortest``
+iterations; the first gather only sets the period) from its throughput,
+the seconds over the records of the whole period, which holds a CPU
+quota's stalls.
 New shares are announced to the net as many iterations ahead as its data
 readers may have read (``Net.share_lookahead``), so that the readers read
 them without a restart, and only where the predicted step (the slowest
@@ -192,15 +193,16 @@ class ShareBalancer:
     def _decide(self, iter_size):
         mine = sum(t for t, _ in self._window) / sum(n for _, n in self._window) if self._window else 0.0
         per_record = self.world.allgather(mine, "the ranks' step times for the batch shares")
-        if self._estimate is not None and min(per_record) > 0.0:
-            per_record = [self.smoothing * t + (1.0 - self.smoothing) * e for t, e in zip(per_record, self._estimate)]
-        self._estimate = per_record if min(per_record) > 0.0 else None
         self._window, self._count = [], 0
         current = self.shares or (self.batch,) * self.world.size
         if self.world.rank == 0:
             self._log_shares()
         if min(per_record) <= 0.0:
+            self._estimate = None
             return
+        if self._estimate is not None:
+            per_record = [self.smoothing * t + (1.0 - self.smoothing) * e for t, e in zip(per_record, self._estimate)]
+        self._estimate = per_record
         step_now = max(n * t for n, t in zip(current, per_record))
         self._period = 1 if self.interval is None else \
             max(self.shortest, min(1000, int(round(self.interval / step_now))))

@@ -72,9 +72,9 @@ class ParallelConfig:
                     "lossy).",
         "compress_start_iter": "Optional; with --compress: the first iterations summed exactly.",
         "balance": "Optional; each rank's share of the global batch: auto (by the ranks' measured speed, "
-                   "smoothed over the last iterations, or every SECONDS of steps with auto:SECONDS, for nets whose layers treat "
-                   "samples apart; the same records and gradient as equal shares), off (equal shares, Caffe's "
-                   "rule) or fixed per-rank counts B0:B1:... (summing to ranks x batch).",
+                   "smoothed over the last iterations, or every SECONDS of steps with auto:SECONDS, for nets "
+                   "whose layers treat samples apart; the same records and gradient as equal shares), off "
+                   "(equal shares, Caffe's rule) or fixed per-rank counts B0:B1:... (summing to ranks x batch).",
     }
 
     def __post_init__(self):
