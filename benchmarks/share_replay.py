@@ -76,6 +76,9 @@ class ReplayWorld:
         self.other = []
         return [mine, seconds / records]
 
+    def waited_seconds(self):
+        return 0.0
+
 
 class Clock:
     now = 0.0
@@ -97,7 +100,7 @@ def replay(per_record, batch, mode, lookahead, change_s):
         shares = net.batch_shares or (batch, batch)
         clock.now += shares[0] * s0
         world.other.append((shares[1] * s1, shares[1]))
-        balancer.after_compute()
+        balancer.after_update()
         seconds += max(shares[0] * s0, shares[1] * s1) + (change_s if last not in (None, shares) else 0.0)
         records += sum(shares)
         last = shares

@@ -2,6 +2,8 @@
 (Layer.share_scale), the net's loss weights and reshapes, the share
 arithmetic and the balancer's decisions on a simulated pair of ranks.
 The MPI runs against one process are tests/mpi/test_balance.py."""
+import time
+
 import numpy as np
 import pytest
 from google.protobuf import text_format
@@ -152,6 +154,10 @@ class PairWorld:
     def __init__(self, other):
         self.other = other
         self.gathers = 0
+        self.waited = 0.0
+
+    def waited_seconds(self):
+        return self.waited
 
     def allgather(self, obj, what=""):
         self.gathers += 1
@@ -184,7 +190,7 @@ def simulated_pair(mode):
         for _ in range(n):
             balancer.before_iteration()
             net.forward_backward()
-            balancer.after_compute()
+            balancer.after_update()
     return net, slow, world, balancer, iterate
 
 
@@ -241,6 +247,40 @@ def test_auto_decides_every_iteration_from_smoothed_speeds_and_logs_at_most_once
         assert lines[1:] == ["Batch shares: 6 6 of 12 (step ms by rank: 7.0 5.6)"]
         iterate(1)
         assert len([r for r in caplog.records if "step ms" in r.getMessage()]) == 2
+
+
+def test_a_rank_is_measured_by_its_work_to_the_update_not_its_waits():
+    """The seconds from an iteration's start to its update, less those the
+    rank waited in collectives: a wait for the slower rank does not make
+    the faster one look slow, and work after backward counts."""
+    net, slow, world, balancer, _ = simulated_pair("auto")
+
+    def iterate(n, waited, worked_after_backward=0.0):
+        for _ in range(n):
+            balancer.before_iteration()
+            net.forward_backward()
+            balancer.clock.now += waited + worked_after_backward
+            world.waited += waited
+            balancer.after_update()
+    iterate(6, waited=0.012)               # 6 ms of work and 12 of waiting: 1 ms a record against 3
+    assert net.batch_shares == (9, 3)
+    slow["per_record"] = 0.002
+    iterate(8, waited=0.0, worked_after_backward=0.006)   # (6 + 6) / 6: as slow as rank 1
+    assert net.batch_shares is None
+
+
+def test_watched_waits_are_added_up_once():
+    from caffempi.parallel.watchdog import Watchdog
+    watchdog = Watchdog(0, None, abort=None)
+    with watchdog.watch("a sum"):
+        with watchdog.watch("inside it"):
+            time.sleep(0.02)
+    assert 0.02 <= watchdog.waited < 0.5
+    waited = watchdog.waited
+    time.sleep(0.02)                       # outside a wait
+    with watchdog.watch("a barrier"):
+        pass
+    assert watchdog.waited - waited < 0.01
 
 
 def test_the_balancer_keeps_equal_shares_where_it_must(caplog):

@@ -9,8 +9,12 @@ of the same records, only the work is split by speed.  Nets whose layers mix
 samples (BatchNorm on batch statistics, a loss normalised by this rank's own
 count of valid labels) keep equal shares, and say why once.
 
-``auto`` measures each rank's compute seconds in each iteration (from the
-start of the iteration to the gradient sync's wait) and, after ``warmup``
+``auto`` measures the seconds each rank works in each iteration: from its
+start to the end of the weight update, less the seconds the rank waited in
+collectives (``World.waited_seconds``), so that work after backward that
+does not shrink with the share (the sufficient factors' products over
+every rank's rows, the update) weighs on the slower rank as it does on the
+step.  After ``warmup``
 iterations, the ranks all-gather their seconds a record at the start of
 every iteration: the last iteration's.  Every rank smooths the gathered
 times the same way (``smoothing``: half the last iteration's, half the
@@ -97,7 +101,7 @@ def proportional_shares(total, seconds_per_record, floor=1):
 class ShareBalancer:
     """The batch shares of one training net (composed into the gradient
     sync, which calls :meth:`attach`, :meth:`before_iteration` and
-    :meth:`after_compute` and keeps :meth:`state` in its own).  ``clock``
+    :meth:`after_update` and keeps :meth:`state` in its own).  ``clock``
     gives seconds (a test's may be simulated)."""
 
     #: the share of the step a change must save
@@ -129,9 +133,9 @@ class ShareBalancer:
         self._count = 0              # iterations begun since the last decision
         self._period = self.warmup
         self._calibrated = self.interval is None     # the period is set (from measured steps, if periodic)
-        self._window = []            # (compute seconds, records) of the iterations since the last decision
+        self._window = []            # (seconds worked, records) of the iterations since the last decision
         self._estimate = None        # every rank's smoothed seconds a record at the last decision
-        self._start = None
+        self._start = None           # (clock, seconds waited) at the start of this iteration
         self._logged = None          # time.monotonic() at the last share line
         self._unlogged = None        # the step ms by rank before the last change, if not yet logged
 
@@ -179,15 +183,16 @@ class ShareBalancer:
         if self.fixed is None and self._count >= self._period:
             self._decide(iter_size)
         self._count += 1
-        self._start = self.clock()
+        self._start = (self.clock(), self.world.waited_seconds())
 
-    def after_compute(self):
-        """The iteration's forward and backward passes are done: its seconds
-        per record of this rank's share."""
+    def after_update(self):
+        """The iteration's weights are updated: the seconds it worked, not
+        waiting, and the records of this rank's share."""
         if self.net is None or self._start is None:
             return
-        shares = self.net.batch_shares
-        self._window.append((self.clock() - self._start, shares[self.world.rank] if shares else self.batch))
+        (start, waited), shares = self._start, self.net.batch_shares
+        worked = self.clock() - start - (self.world.waited_seconds() - waited)
+        self._window.append((worked, shares[self.world.rank] if shares else self.batch))
         self._start = None
 
     def _decide(self, iter_size):

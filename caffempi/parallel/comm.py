@@ -85,6 +85,10 @@ class World(ABC):
         :mod:`caffempi.parallel.watchdog`); one process waits for nobody."""
         return contextlib.nullcontext()
 
+    def waited_seconds(self):
+        """Seconds this rank has spent in :meth:`watch` so far (one process: none)."""
+        return 0.0
+
     def set_comm_timeout(self, seconds):
         """No wait on the other ranks may last longer than ``seconds``."""
 
@@ -201,10 +205,15 @@ class MPIWorld(World):
 
     def set_comm_timeout(self, seconds):
         """No collective may wait longer than ``seconds`` (0 or None: forever)."""
+        waited = self.watchdog.waited
         self.watchdog = Watchdog(self.rank, seconds, self.abort)
+        self.watchdog.waited = waited
 
     def watch(self, what, detail=None):
         return self.watchdog.watch(what, detail)
+
+    def waited_seconds(self):
+        return self.watchdog.waited
 
     def barrier(self, what="a barrier"):
         with self.watch(what):

@@ -399,8 +399,6 @@ class BucketedAllreduce(GradientSync):
     def finish(self, net):
         """Wait for the sums (means); returns the exposed seconds."""
         t0 = time.perf_counter()
-        if self.balancer is not None:
-            self.balancer.after_compute()
         if self.active:
             # the plug-ins' work (the factor GEMMs) runs while the buckets
             # progress between its kernel chunks
@@ -420,6 +418,10 @@ class BucketedAllreduce(GradientSync):
         self._handles = []
         self._armed = False
         return time.perf_counter() - t0
+
+    def after_update(self, net):
+        if self.balancer is not None:
+            self.balancer.after_update()
 
 
 def _ms(seconds):

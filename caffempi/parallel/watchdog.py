@@ -10,8 +10,10 @@ finds a wait older than the timeout, prints one line naming it, and ends the
 job: ``MPI_Abort`` (which lets the launcher end the other ranks), and, if
 that cannot reach the others and does not return, this process exits by
 itself a few seconds later.  Like NCCL's watchdog, and Horovod's stall
-inspector, it costs the waiting rank nothing: two attribute writes per
-collective.
+inspector, it costs the waiting rank nothing: a clock read and a few
+attribute writes per collective.  It also adds up the seconds a rank waited
+(:attr:`Watchdog.waited`), which the batch shares subtract from an
+iteration to find what the rank itself worked.
 """
 import contextlib
 import os
@@ -36,20 +38,23 @@ class Watchdog:
         self._since = None
         self._thread = None
         self.fired = False
+        #: seconds spent in watched waits so far (the batch shares' measure of a rank's own work)
+        self.waited = 0.0
 
     @contextlib.contextmanager
     def watch(self, what, detail=None):
         """Run the block as a wait for ``what`` (a description for the
         message); ``detail()``, if given, says which ranks have not joined."""
-        if self.timeout is None or self._since is not None:     # off, or inside a watched wait
+        if self._since is not None:      # inside a watched wait
             yield
             return
-        if self._thread is None:
+        if self.timeout is not None and self._thread is None:
             self._start()
         self._what, self._since = (what, detail), time.monotonic()
         try:
             yield
         finally:
+            self.waited += time.monotonic() - self._since
             self._since = None
 
     def _start(self):
