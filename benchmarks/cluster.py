@@ -25,13 +25,18 @@ reference prototxt from ../shared, with random input, 8 images a rank.
 --balance off,auto runs each mode with each batch-share setting (a mode
 'default/auto'; the nets then read DummyData, as scaling.py's), and
 --throttle F holds host 2's rank and the pair's second process to F of a
-core (scaling.py's cgroups): a slow host.
+core (scaling.py's cgroups): a slow host.  Each emulated host's processes
+(and the pair's process for it) run on a CPU of their own (--pin host,
+the default since 2026-11-29; --pin none: where the OS puts them), as on
+machines of their own: unpinned, a host's threads use the other's idle
+cycles.
 
     sudo .venv/bin/python benchmarks/cluster.py --nets lenet,cifar10_quick --rates 1gbit \
         --modes default --balance off,auto --throttle 0.6
 """
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -60,6 +65,14 @@ def slot_seconds(a, net):
     return a.slot or {"lenet": 0.8, "cifar10_quick": 3.0}.get(net, 10.0)
 
 
+def host_cpus(a):
+    """The CPU of each emulated host (and of the pair's process for it):
+    with --pin host and a CPU for each, host k's processes on CPU k, as on
+    machines of their own; else None (the OS places them)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    return cpus[:2] if a.pin == "host" and len(cpus) >= 2 else None
+
+
 def run_paired(cluster, a, net, mode):
     """The independent pair (here) and the 2-host job alive together, taking
     turns in time slots (scaling.py's pairing), so both see the same load."""
@@ -69,9 +82,10 @@ def run_paired(cluster, a, net, mode):
         comm += "/" + balance
     slot = slot_seconds(a, net)
     t0 = time.time() + a.startup
-    procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1))
+    procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1), host_cpus(a))
     out = tempfile.mktemp(suffix=".json")
-    job = cluster.popen(scaling.worker_args(a, net, comm, out, (slot, a.slots, t0, 0), scaling.throttled(a, "job")),
+    job = cluster.popen(scaling.worker_args(a, net, comm, out, (slot, a.slots, t0, 0), scaling.throttled(a, "job"),
+                                            host_cpus(a)),
                         env=scaling.bench_env(), stderr=subprocess.PIPE, text=True)
     _, err = job.communicate(timeout=a.timeout)
     if job.returncode:
@@ -102,6 +116,9 @@ def main():
                     "runs with each; anything but off: DummyData input)")
     ap.add_argument("--throttle", default=None, help="a fraction of a core for host 2's rank and the pair's "
                     "second process (cgroups)")
+    ap.add_argument("--pin", default="host", choices=("host", "none"),
+                    help="host: each emulated host's processes on a CPU of their own, and the pair's process "
+                    "for host k on host k's (where there are CPUs enough); none: where the OS puts them")
     a = ap.parse_args()
     balances = a.balance.split(",")
     a.data = "input" if balances == ["off"] else "dummy"

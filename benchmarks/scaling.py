@@ -248,6 +248,16 @@ def join_cgroup(spec, rank):
     raise SystemExit("pid %d was not moved into cgroup %s" % (os.getpid(), name))
 
 
+def pin_to_cpu(spec, rank):
+    """A worker's --cpus C0,C1,...: every thread of this process (and those
+    it starts later) on CPU C[rank], as a rank alone on its own host."""
+    if not spec:
+        return
+    cpus = [int(c) for c in spec.split(",")]
+    for tid in os.listdir("/proc/self/task"):
+        os.sched_setaffinity(int(tid), {cpus[rank % len(cpus)]})
+
+
 def _tx_bytes():
     """Bytes this host's eth0 has sent (an emulated host's only link), or None."""
     try:
@@ -294,6 +304,7 @@ def worker(args):
 
     world = _start(args, "blocking" if args.comm == "barrier" else args.comm)
     join_cgroup(args.cgroup, world.rank)
+    pin_to_cpu(args.cpus, world.rank)
     red = _averager(world, args.comm, args)
     solver = _solver(args, red)
     net = solver.net
@@ -478,9 +489,10 @@ def _mpiexec():
     return mpiexec_path() or "mpiexec"
 
 
-def worker_args(a, net, kind, out, slot=None, throttle=None):
+def worker_args(a, net, kind, out, slot=None, throttle=None, cpus=None):
     """A worker's command line; ``kind`` is a --comm mode, maybe with
-    '/balance'; ``throttle`` RANK:CGROUP puts that rank in a cgroup."""
+    '/balance'; ``throttle`` RANK:CGROUP puts that rank in a cgroup;
+    ``cpus`` (a list) puts rank r on CPU cpus[r]."""
     comm, _, balance = kind.partition("/")
     args = [sys.executable, __file__, "--worker", "--net", net, "--comm", comm, "--iters", str(a.iters),
             "--balance", balance or "off", "--data", getattr(a, "data", None) or "input",
@@ -495,6 +507,8 @@ def worker_args(a, net, kind, out, slot=None, throttle=None):
                  "--parity", str(slot[3])]
     if throttle:
         args += ["--cgroup", throttle]
+    if cpus:
+        args += ["--cpus", ",".join(map(str, cpus))]
     return args
 
 
@@ -507,12 +521,13 @@ def throttled(a, kind):
     return "0:" + cgroups.pidfile("pair") if kind == "pair" else "1:" + cgroups.pidfile("job")
 
 
-def start_independent(a, net, n, slot=None):
+def start_independent(a, net, n, slot=None, cpus=None):
+    """``n`` single processes; ``cpus``: process k on CPU cpus[k]."""
     outs = [tempfile.mktemp(suffix=".json") for _ in range(n)]
     env = bench_env()
     env["CAFFEMPI_MPI"] = "0"
-    procs = [subprocess.Popen(worker_args(a, net, "blocking", o, slot, throttled(a, "pair") if k == 1 else None),
-                              env=env) for k, o in enumerate(outs)]
+    procs = [subprocess.Popen(worker_args(a, net, "blocking", o, slot, throttled(a, "pair") if k == 1 else None,
+                                          cpus and [cpus[k]]), env=env) for k, o in enumerate(outs)]
     return procs, outs
 
 
@@ -612,6 +627,7 @@ def main():
                          "blocking, nopoll, barrier) in turn, a step each from a barrier; prints each "
                          "mode's step and its cost over barrier")
     ap.add_argument("--cgroup", default=None, help=argparse.SUPPRESS)     # a worker's RANK:CGROUP
+    ap.add_argument("--cpus", default=None, help=argparse.SUPPRESS)       # a worker's CPU by rank: C0,C1,...
     a = ap.parse_args()
     from caffempi.parallel.buckets import DEFAULT_BUCKET_MB, DEFAULT_FIRST_BUCKET_MB
     a.bucket_mb = DEFAULT_BUCKET_MB if a.bucket_mb is None else a.bucket_mb
