@@ -102,7 +102,9 @@ class ShareBalancer:
     """The batch shares of one training net (composed into the gradient
     sync, which calls :meth:`attach`, :meth:`before_iteration` and
     :meth:`after_update` and keeps :meth:`state` in its own).  ``clock``
-    gives seconds (a test's may be simulated)."""
+    gives seconds, and ``waited`` the seconds this rank has waited in
+    collectives so far (default: the world's ``waited_seconds``); a test
+    may simulate both, on one time line."""
 
     #: the share of the step a change must save
     gain = 0.02
@@ -120,11 +122,11 @@ class ShareBalancer:
     #: the fewest seconds between two of the log's share lines
     log_every = 1.0
 
-    def __init__(self, mode="auto", clock=time.perf_counter):
+    def __init__(self, mode="auto", clock=time.perf_counter, waited=None):
         self.mode, self.fixed, interval = parse_balance(mode)
         if interval is not None:
             self.interval, self.smoothing = interval, 1.0
-        self.clock = clock
+        self.clock, self.waited = clock, waited
         self.world = None
         self.net = None
         self.shares = None
@@ -183,7 +185,7 @@ class ShareBalancer:
         if self.fixed is None and self._count >= self._period:
             self._decide(iter_size)
         self._count += 1
-        self._start = (self.clock(), self.world.waited_seconds())
+        self._start = (self.clock(), self._waited())
 
     def after_update(self):
         """The iteration's weights are updated: the seconds it worked, not
@@ -191,9 +193,12 @@ class ShareBalancer:
         if self.net is None or self._start is None:
             return
         (start, waited), shares = self._start, self.net.batch_shares
-        worked = self.clock() - start - (self.world.waited_seconds() - waited)
+        worked = self.clock() - start - (self._waited() - waited)
         self._window.append((worked, shares[self.world.rank] if shares else self.batch))
         self._start = None
+
+    def _waited(self):
+        return (self.waited or self.world.waited_seconds)()
 
     def _decide(self, iter_size):
         mine = sum(t for t, _ in self._window) / sum(n for _, n in self._window) if self._window else 0.0

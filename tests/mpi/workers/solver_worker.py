@@ -69,7 +69,8 @@ layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: 
 
 def simulate_speeds(balancer, rank, slow_rank, interval):
     """The balancer's clock: the seconds this rank's share takes at 1 ms a
-    record (3 ms on ``slow_rank``), so its decisions are the same every run."""
+    record (3 ms on ``slow_rank``), and no waiting on that clock, so its
+    decisions are the same every run."""
     per_record = 0.003 if rank == slow_rank else 0.001
     now = [0.0]
 
@@ -77,7 +78,7 @@ def simulate_speeds(balancer, rank, slow_rank, interval):
         shares = balancer.net.batch_shares
         now[0] += per_record * (shares[rank] if shares else balancer.batch)
         return now[0]
-    balancer.clock, balancer.interval = clock, interval
+    balancer.clock, balancer.waited, balancer.interval = clock, lambda: 0.0, interval
 
 
 def main():
