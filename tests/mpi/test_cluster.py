@@ -125,10 +125,13 @@ def test_a_host_whose_link_goes_down_ends_the_job_within_the_timeout(cluster, da
         if p.poll() is None:
             p.send_signal(signal.SIGKILL)
         cluster.set_link(1, True)
-    # the job's own last words when it did not fail (a flake seen once under
-    # the full suite's load: exit 0; Open MPI ending a job whose daemon it
-    # lost by SIGTERM, which ranks take as a scheduler's stop, is suspected)
-    assert p.returncode != 0, "".join(seen[-20:]) + rest[-4000:]
+    # Open MPI's launcher, ending the job after our MPI_Abort while it loses
+    # the cut-off host's daemon, has itself exited 0 (twice under the full
+    # suite's load, its "lost communication with a remote daemon" message
+    # printed after the rank's abort): the rank's line below still says the
+    # job failed.  Any other exit 0 fails here with the job's last words.
+    lost_daemon = "lost communication with a remote daemon" in rest and "MPI_ABORT was invoked" in rest
+    assert p.returncode != 0 or lost_daemon, "".join(seen[-20:]) + rest[-4000:]
     assert ended < 5 + 60
     errors = [line for line in rest.splitlines() if "error:" in line]
     assert len(errors) == 1, rest
