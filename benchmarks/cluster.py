@@ -82,10 +82,11 @@ def run_paired(cluster, a, net, mode):
         comm += "/" + balance
     slot = slot_seconds(a, net)
     t0 = time.time() + a.startup
-    procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1), host_cpus(a))
+    cpus = host_cpus(a)
+    procs, outs = scaling.start_independent(a, net, 2, (slot, a.slots, t0, 1), cpus)
     out = tempfile.mktemp(suffix=".json")
     job = cluster.popen(scaling.worker_args(a, net, comm, out, (slot, a.slots, t0, 0), scaling.throttled(a, "job"),
-                                            host_cpus(a)),
+                                            cpus),
                         env=scaling.bench_env(), stderr=subprocess.PIPE, text=True)
     _, err = job.communicate(timeout=a.timeout)
     if job.returncode:

@@ -186,10 +186,14 @@ def simulated_pair(mode):
     balancer = ShareBalancer(mode, clock=SimulatedClock(net, 0.001))
     balancer.attach(world, net)
 
-    def iterate(n):
+    def iterate(n, waited=0.0, worked_after_backward=0.0):
+        """``n`` iterations; each waits ``waited`` seconds in collectives
+        and works ``worked_after_backward`` more after its backward."""
         for _ in range(n):
             balancer.before_iteration()
             net.forward_backward()
+            balancer.clock.now += waited + worked_after_backward
+            world.waited += waited
             balancer.after_update()
     return net, slow, world, balancer, iterate
 
@@ -253,15 +257,7 @@ def test_a_rank_is_measured_by_its_work_to_the_update_not_its_waits():
     """The seconds from an iteration's start to its update, less those the
     rank waited in collectives: a wait for the slower rank does not make
     the faster one look slow, and work after backward counts."""
-    net, slow, world, balancer, _ = simulated_pair("auto")
-
-    def iterate(n, waited, worked_after_backward=0.0):
-        for _ in range(n):
-            balancer.before_iteration()
-            net.forward_backward()
-            balancer.clock.now += waited + worked_after_backward
-            world.waited += waited
-            balancer.after_update()
+    net, slow, world, balancer, iterate = simulated_pair("auto")
     iterate(6, waited=0.012)               # 6 ms of work and 12 of waiting: 1 ms a record against 3
     assert net.batch_shares == (9, 3)
     slow["per_record"] = 0.002
