@@ -197,6 +197,7 @@ class Net:
         self.name = param.name
         self.data_shard = tuple(data_shard)
         self.batch_shares = None        # set_batch_shares
+        self._cleared = None            # [start, end) ranges clear_param_diffs zeroes; None: all
         self._loss_share_scales = {}    # layer index -> its loss gradient's factor under the shares
         self._share_fraction = 1.0
         self._passes = 0                # forward passes from the first layer (each reads a batch)
@@ -775,7 +776,40 @@ class Net:
         return loss
 
     def clear_param_diffs(self):
-        self.param_diff[...] = 0
+        """Zero the gradients before a pass accumulates into them (Caffe's
+        ClearParamDiffs), but for those of :meth:`set_diffs_written`."""
+        if self._cleared is None:
+            self.param_diff[...] = 0
+        else:
+            for start, end in self._cleared:
+                self.param_diff[start:end] = 0
+
+    def set_diffs_written(self, params):
+        """The learnable params (indices) whose gradients something other
+        than the layers' backward writes whole every iteration (the
+        sufficient factors' product; their layers compute no weight
+        gradient): :meth:`clear_param_diffs` leaves them, as zeroing them
+        is a pass over memory that the write makes again (CaffeNet's fully
+        connected weights: 234 MB).  An empty set: every gradient cleared."""
+        params = sorted(set(params))
+        self._cleared = self.param_ranges(0, self.param_diff.size, params) if params else None
+
+    def param_ranges(self, start, end, exclude=()):
+        """The [start, end) ranges of the flat param buffers within
+        [``start``, ``end``) less those of the learnable params in
+        ``exclude`` (indices)."""
+        cuts = sorted((self.param_offsets[p], self.param_offsets[p] + self.learnable_params[p].count)
+                      for p in exclude)
+        ranges, pos = [], start
+        for s, e in cuts:
+            if s >= end or e <= pos:
+                continue
+            if s > pos:
+                ranges.append((pos, s))
+            pos = e
+        if pos < end:
+            ranges.append((pos, end))
+        return ranges
 
     # ------------------------------------------------------------- callbacks
     def add_hook(self, when, fn):

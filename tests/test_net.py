@@ -82,6 +82,23 @@ def test_param_diffs_accumulate_and_clear():
     assert not net.param_diff.any()
 
 
+def test_diffs_written_by_another_are_left_by_the_clear():
+    """Params whose gradients something else writes whole (the sufficient
+    factors) keep their diffs through clear_param_diffs; the rest are
+    zeroed, and an empty set clears everything again."""
+    net = make_mlp(dtype=np.float64)
+    net.param_diff[...] = 3.0
+    net.set_diffs_written([0, 2])            # ip1's weight, ip2's weight
+    net.clear_param_diffs()
+    kept = [bool(np.all(b.diff == 3.0)) for b in net.learnable_params]
+    cleared = [not b.diff.any() for b in net.learnable_params]
+    assert kept == [True, False, True, False] and cleared == [False, True, False, True]
+    assert net.param_ranges(0, net.param_diff.size, [0, 2]) == [(15, 20), (30, 32)]
+    net.set_diffs_written([])
+    net.clear_param_diffs()
+    assert not net.param_diff.any()
+
+
 def test_split_inserted_for_fanout_with_caffe_names():
     p = net_param("""
       layer { name: "in" type: "Input" top: "x" input_param { shape { dim: 2 dim: 3 } } }

@@ -69,15 +69,4 @@ def make_buckets(net, bucket_mb=DEFAULT_BUCKET_MB, first_bucket_mb=DEFAULT_FIRST
 def bucket_segments(net, bucket, exclude=()):
     """The [start, end) ranges of ``bucket`` that are summed over the ranks:
     its range less those of the learnable params in ``exclude``."""
-    cuts = sorted((net.param_offsets[p], net.param_offsets[p] + net.learnable_params[p].count)
-                  for p in exclude)
-    segments, pos = [], bucket[1]
-    for s, e in cuts:
-        if s >= bucket[2] or e <= pos:
-            continue
-        if s > pos:
-            segments.append((pos, s))
-        pos = e
-    if pos < bucket[2]:
-        segments.append((pos, bucket[2]))
-    return segments
+    return net.param_ranges(bucket[1], bucket[2], exclude)

@@ -107,6 +107,7 @@ class SufficientFactors(ReducerPlugin):
         self.factor_layers = [(i, layer, p) for i, layer, p, _ in self._eligible if p in params]
         for _, layer, _ in self.factor_layers:
             layer.set_param_propagate_down(0, False)
+        net.set_diffs_written(p for _, _, p in self.factor_layers)
         self._factor_at = {i: layer for i, layer, _ in self.factor_layers}
         if self.factor_layers and self._comm is None:
             with world.watch("the factor communicator's set-up"):
@@ -115,6 +116,8 @@ class SufficientFactors(ReducerPlugin):
     def detach(self):
         for _, layer, _ in self.factor_layers:
             layer.set_param_propagate_down(0, True)
+        if self.factor_layers:
+            self.net.set_diffs_written(())
         self.factor_layers = []
         self._factor_at = {}
         self._gathers = {}
@@ -229,7 +232,9 @@ class SufficientFactors(ReducerPlugin):
 
     def finish(self, net, scale, progress):
         """Each layer's mean gradient: one GEMM over every rank's rows, the
-        scale folded into dy's rows (a few rows, not the N x K product)."""
+        scale folded into dy's rows (a few rows, not the N x K product),
+        written over the gradient, which the net does not clear
+        (``Net.set_diffs_written``)."""
         for i, layer, p in self.factor_layers:
             if i not in self._gathers:       # a backward the hook did not see
                 self._gather(i, layer)

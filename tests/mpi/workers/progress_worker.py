@@ -5,7 +5,8 @@ uninstalled after finish, and that the averaged gradient is the mean.
 With the argument ``sfb``: --sfb=on, whose factor gathers (ip's, started
 before the convolution's backward) are tested in those chunks too, beside
 the transport's polls; rank 1 starts late, so that rank 0's gathers are
-still pending through its convolution's backward."""
+still pending through its convolution's backward; ip's weight gradient,
+which the factors write whole, is not cleared before (it holds NaN there)."""
 import sys
 import time
 
@@ -81,7 +82,11 @@ def main(argv):
     own_net.clear_param_diffs()
     own_net.forward_backward()
     own = own_net.param_diff.copy()
+    ip_weight = net.params["ip"][0]
+    net.param_diff[...] = np.nan             # what the last update left, as far as finish may know
     net.clear_param_diffs()
+    # the factors write ip's weight gradient whole: the clear leaves it
+    assert np.isnan(ip_weight.diff).all() == sfb and not np.isnan(net.params["conv"][0].diff).any()
     red.start_iteration(net)
     if sfb and world.rank == 1:
         time.sleep(0.5)
@@ -98,6 +103,8 @@ def main(argv):
     mean = world.comm.allreduce(own.astype(np.float64)) / world.size
     np.testing.assert_allclose(net.param_diff, mean, rtol=1e-5, atol=1e-7)
     red.close()
+    net.clear_param_diffs()                  # detached: every gradient cleared again
+    assert not net.param_diff.any()
     if world.rank == 0:
         print("polls inside conv backward:", polls["conv"], "gather tests:", polls["gathers"])
 
