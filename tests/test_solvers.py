@@ -252,6 +252,41 @@ def _copy(sp):
     return out
 
 
+@pytest.mark.parametrize("rule", ['type: "SGD" momentum: 0.9', 'type: "Nesterov" momentum: 0.9',
+                                  'type: "AdaGrad" delta: 1e-6', 'type: "RMSProp" rms_decay: 0.9 delta: 1e-6',
+                                  'type: "AdaDelta" momentum: 0.95 delta: 1e-6',
+                                  'type: "Adam" momentum: 0.9 momentum2: 0.999 delta: 1e-8'])
+def test_the_update_in_blocks_is_the_update_over_the_whole_buffers(rule, monkeypatch):
+    """The update's steps run block by block over the flat buffers (in
+    cache on the CPU), each block in one param (its rate and decay one
+    value): blocks of 3 values (the 6 of the weight in two), with per-param
+    rates and decays and iter_size 2, give the bits of the steps over the
+    whole buffers."""
+    from caffempi.backend.cpu import blocks
+    results = []
+    for block_bytes in (blocks.ELEMENT_BLOCK_BYTES, 12):
+        monkeypatch.setattr(blocks, "ELEMENT_BLOCK_BYTES", block_bytes)
+        s = make_solver(BASE + rule + " iter_size: 2", params=MULTS["params"])
+        calls = []
+        real = s._update_block
+        s._update_block = lambda rate, block: (calls.append(block), real(rate, block))
+        s.step(4)
+        assert len(calls) == 4 * (2 if block_bytes > 12 else 3)
+        results.append([s.net.param_data.copy(), s.net.param_diff.copy()] + [h.copy() for h in s.history])
+    s = make_solver(BASE + rule + " iter_size: 2", params=MULTS["params"])
+
+    def steps_over_the_whole_buffers(rate):
+        s.normalize()
+        s.regularize()
+        s.compute_update_value(rate, slice(None))
+        s.net.param_data -= s.net.param_diff
+    s.update_params = steps_over_the_whole_buffers
+    s.step(4)
+    results.append([s.net.param_data.copy(), s.net.param_diff.copy()] + [h.copy() for h in s.history])
+    for whole, in_blocks in zip(results[2], results[1]):
+        np.testing.assert_array_equal(whole, in_blocks)
+
+
 def test_l1_sign_of_zero_is_zero():
     s = make_solver(BASE + 'type: "SGD" regularization_type: "L1" weight_decay: 1.0 base_lr: 0.0')
     s.net.param_data[...] = 0

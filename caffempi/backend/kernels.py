@@ -125,6 +125,19 @@ def elementwise(xp, fn, *arrays, outputs=1, fused=None):
     return outs[0] if outputs == 1 else outs
 
 
+def flat_blocks(xp, size, itemsize, body, starts=()):
+    """Calls ``body(block)`` for slices ``block`` covering range(size) of
+    flat arrays of ``itemsize`` bytes an element, for a pass of several
+    elementwise steps over them: on the CPU blocks that stay in cache
+    through the steps, none crossing an offset in ``starts``, on the
+    intra-op threads (:func:`caffempi.backend.cpu.for_element_blocks`); on
+    the GPU ``body(slice(None))``, a launch a step over the whole arrays."""
+    if on_host(xp):
+        cpu.for_element_blocks(size, itemsize, body, starts)
+    else:
+        body(slice(None))
+
+
 def per_channel(xp, body, shape, dtype):
     """Calls ``body(block)`` for slices ``block`` of axis 1 of (outer, C,
     inner) arrays of ``shape`` and ``dtype``, each channel in one block, so

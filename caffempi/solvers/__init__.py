@@ -24,18 +24,19 @@ class SGDSolver(Solver):
     """Stochastic gradient descent with momentum (sgd_solver.cpp)."""
     type = "SGD"
 
-    def compute_update_value(self, rate):
-        updates.sgd(self.xp, self.net.param_diff, self.history[0], self._tmp,
-                    self.local_rate(rate), self.param.momentum)
+    def compute_update_value(self, rate, block):
+        updates.sgd(self.xp, self.net.param_diff[block], self.history[0][block], self._tmp[block],
+                    self.local_rate(rate, block), self.param.momentum)
 
 
 class NesterovSolver(SGDSolver):
     """Nesterov's accelerated gradient (nesterov_solver.cpp)."""
     type = "Nesterov"
+    uses_scratch = True
 
-    def compute_update_value(self, rate):
-        updates.nesterov(self.xp, self.net.param_diff, self.history[0], self._tmp,
-                         self.local_rate(rate), self.param.momentum, self.scratch())
+    def compute_update_value(self, rate, block):
+        updates.nesterov(self.xp, self.net.param_diff[block], self.history[0][block], self._tmp[block],
+                         self.local_rate(rate, block), self.param.momentum, self.scratch()[block])
 
 
 class AdaGradSolver(SGDSolver):
@@ -46,9 +47,9 @@ class AdaGradSolver(SGDSolver):
         if self.param.momentum != 0:
             raise CaffeError("Momentum cannot be used with AdaGrad.")
 
-    def compute_update_value(self, rate):
-        updates.adagrad(self.xp, self.net.param_diff, self.history[0], self._tmp,
-                        self.local_rate(rate), self.param.delta)
+    def compute_update_value(self, rate, block):
+        updates.adagrad(self.xp, self.net.param_diff[block], self.history[0][block], self._tmp[block],
+                        self.local_rate(rate, block), self.param.delta)
 
 
 class RMSPropSolver(SGDSolver):
@@ -62,19 +63,21 @@ class RMSPropSolver(SGDSolver):
         if not 0 <= p.rms_decay < 1:
             raise CaffeError("rms_decay should lie between 0 and 1, got %g" % p.rms_decay)
 
-    def compute_update_value(self, rate):
-        updates.rmsprop(self.xp, self.net.param_diff, self.history[0], self._tmp,
-                        self.local_rate(rate), self.param.rms_decay, self.param.delta)
+    def compute_update_value(self, rate, block):
+        updates.rmsprop(self.xp, self.net.param_diff[block], self.history[0][block], self._tmp[block],
+                        self.local_rate(rate, block), self.param.rms_decay, self.param.delta)
 
 
 class AdaDeltaSolver(SGDSolver):
     """AdaDelta (adadelta_solver.cpp); history: gradients then updates."""
     type = "AdaDelta"
     num_history = 2
+    uses_scratch = True
 
-    def compute_update_value(self, rate):
-        updates.adadelta(self.xp, self.net.param_diff, self.history[0], self.history[1], self._tmp,
-                         self.local_rate(rate), self.param.momentum, self.param.delta, self.scratch())
+    def compute_update_value(self, rate, block):
+        updates.adadelta(self.xp, self.net.param_diff[block], self.history[0][block], self.history[1][block],
+                         self._tmp[block], self.local_rate(rate, block), self.param.momentum, self.param.delta,
+                         self.scratch()[block])
 
 
 class AdamSolver(SGDSolver):
@@ -92,10 +95,11 @@ class AdamSolver(SGDSolver):
         self._correction[...] = updates.adam_correction(p.momentum, p.momentum2, self.iter + 1)
         return rate
 
-    def compute_update_value(self, rate):
+    def compute_update_value(self, rate, block):
         p = self.param
-        updates.adam(self.xp, self.net.param_diff, self.history[0], self.history[1], self._tmp,
-                     self.local_rate(rate), p.momentum, p.momentum2, p.delta, self._correction)
+        updates.adam(self.xp, self.net.param_diff[block], self.history[0][block], self.history[1][block],
+                     self._tmp[block], self.local_rate(rate, block), p.momentum, p.momentum2, p.delta,
+                     self._correction)
 
 
 SOLVER_TYPES = {cls.type: cls for cls in (SGDSolver, NesterovSolver, AdaGradSolver,

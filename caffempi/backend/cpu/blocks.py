@@ -26,10 +26,17 @@ def _for_blocks(count, per_item_bytes, limit, body):
     threads.for_chunks(len(blocks), lambda i: body(blocks[i]))
 
 
-def for_element_blocks(size, itemsize, body):
+def for_element_blocks(size, itemsize, body, starts=()):
     """body(block) for slices ``block`` covering range(size) (a flat
-    array's elements), on the intra-op threads."""
-    _for_blocks(size, itemsize, ELEMENT_BLOCK_BYTES, body)
+    array's elements), on the intra-op threads; none crosses an offset in
+    ``starts`` (where a block must begin: the params of a flat buffer)."""
+    if not starts:
+        _for_blocks(size, itemsize, ELEMENT_BLOCK_BYTES, body)
+        return
+    step = max(1, ELEMENT_BLOCK_BYTES // max(itemsize, 1))
+    bounds = sorted({0, size, *(s for s in starts if 0 < s < size)})
+    blocks = [slice(a, min(a + step, end)) for start, end in zip(bounds, bounds[1:]) for a in range(start, end, step)]
+    threads.for_chunks(len(blocks), lambda i: body(blocks[i]))
 
 
 def for_channel_blocks(shape, itemsize, body):
