@@ -206,7 +206,9 @@ def test_never_snapshots_non_finite_weights(tmp_path):
 def test_signal_actions_snapshot_and_stop(tmp_path):
     sp = solver_param(tmp_path, RESUME + 'type: "SGD" max_iter: 100')
     s = get_solver(sp)
-    actions = {3: SolverAction.SNAPSHOT, 5: SolverAction.STOP}
+    # polled once an iteration, before its sums, and acted on after its
+    # update: a signal seen in the iteration from 2 to 3 snapshots at 3
+    actions = {2: SolverAction.SNAPSHOT, 4: SolverAction.STOP}
     s.set_action_function(lambda: actions.pop(s.iter, SolverAction.NONE))  # one-shot, as a signal
     s.solve()
     assert s.iter == 5 and s.requested_early_exit

@@ -43,17 +43,13 @@ class Collectives:
             return values
         return [float(v) for v in self.world.allreduce_scalars(values, what="the test scores' sum")]
 
-    def any(self, flag):
-        """True on every rank if ``flag`` is true on any rank."""
-        return self.world.any(flag, "the check that every rank's loss is finite") if self.active else bool(flag)
-
-    def diverged_ranks(self, info):
+    def diverged_ranks(self, info, flagged):
         """[(rank, info)] of the ranks whose ``info`` is not None (their loss
         is not finite; info is a picklable description), the same list on
-        every rank, so that all stop at the same iteration: one scalar
-        allreduce per iteration, the descriptions gathered only when some
-        rank has one."""
-        if not self.any(info is not None):
+        every rank, so that all stop at the same iteration; ``flagged``:
+        whether some rank has one, as agreed (:meth:`start_agreement`).
+        The descriptions are gathered only then."""
+        if not flagged:
             return []
         everyone = self.world.allgather(info, "the diverged ranks' descriptions")
         return [(r, i) for r, i in enumerate(everyone) if i is not None]
@@ -71,9 +67,36 @@ class Collectives:
         not act on it a second time."""
         if not self.active:
             return action
+        self._count(action)
+        return self._agree(self.world.allreduce_scalars(self._asked, "max", "the agreement on signal actions"))
+
+    def start_agreement(self, diverged, action):
+        """Start a training iteration's agreement, before its gradient sums:
+        whether some rank's loss is not finite (``diverged``, this rank's)
+        and the signal action every rank takes (``action``, this rank's
+        poll, as :meth:`combine_action`), in one all-reduce (max) that is
+        not waited for here.  Returns a function that waits for it and
+        returns (some rank diverged, the action): called after the sums it
+        costs no wait, as the sums have brought the ranks together, where
+        a blocking agreement after them and another after the update made
+        each rank wait for the slower twice more a step."""
+        if not self.active:
+            return lambda: (bool(diverged), action)
+        self._count(action)
+        pending = self.world.start_allreduce_scalars([1.0 if diverged else 0.0] + list(self._asked), "max",
+                                                     "the agreement on divergence and signal actions")
+
+        def result():
+            values = pending.result()
+            return bool(values[0]), self._agree(values[1:])
+        return result
+
+    def _count(self, action):
         if action in self.ACTION_ORDER:
             self._asked[self.ACTION_ORDER.index(action)] += 1
-        counts = self.world.allreduce_scalars(self._asked, "max", "the agreement on signal actions")
+
+    def _agree(self, counts):
+        """The action of the agreed counts (their maxima over the ranks)."""
         new = counts > self._agreed
         self._agreed = np.maximum(self._agreed, counts)
         return next((a for a, fresh in zip(self.ACTION_ORDER, new) if fresh), SolverAction.NONE)

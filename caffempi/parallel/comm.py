@@ -64,6 +64,20 @@ def launcher_rank(environ=None):
     return _first_int(env, _RANK_VARS)
 
 
+class PendingScalars:
+    """A sum of scalars that may still be in flight: ``result()`` waits
+    for it (once) and returns its float64 array."""
+
+    def __init__(self, values, wait=None):
+        self._values, self._wait = values, wait
+
+    def result(self):
+        if self._wait is not None:
+            self._wait()
+            self._wait = None
+        return self._values
+
+
 class World(ABC):
     """The ranks of a job and the collectives on host buffers that the
     parallel package builds on.  Every rank calls each collective in the
@@ -113,6 +127,13 @@ class World(ABC):
         """Element-wise sum, max or min over ranks of a list of floats, as a
         float64 array."""
 
+    def start_allreduce_scalars(self, values, op="sum", what="a sum of scalars"):
+        """:meth:`allreduce_scalars` started, not waited for: a
+        :class:`PendingScalars` whose ``result()`` waits and returns the
+        array, so that a rank does not wait at the start while the others
+        catch up.  Here the sum at once."""
+        return PendingScalars(self.allreduce_scalars(values, op, what))
+
     @abstractmethod
     def allgather(self, obj, what="an allgather"):
         """Every rank's picklable ``obj``, in rank order, on every rank."""
@@ -125,10 +146,6 @@ class World(ABC):
     def scatter(self, objs, root=0, what="a scatter"):
         """Rank r's item of ``root``'s list ``objs`` (one per rank; ignored
         on the other ranks), on rank r."""
-
-    def any(self, flag, what="an agreement"):
-        """True on every rank if ``flag`` is true on any rank."""
-        return bool(self.allreduce_scalars([1.0 if flag else 0.0], "max", what)[0])
 
     @abstractmethod
     def abort(self, code=1):
@@ -238,10 +255,24 @@ class MPIWorld(World):
     def allreduce_scalars(self, values, op="sum", what="a sum of scalars"):
         a = np.array(values, np.float64).reshape(-1)
         if a.size:
-            mop = {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
             with self.watch(what):
-                self.comm.Allreduce(self.MPI.IN_PLACE, a, op=mop)
+                self.comm.Allreduce(self.MPI.IN_PLACE, a, op=self._op(op))
         return a
+
+    def start_allreduce_scalars(self, values, op="sum", what="a sum of scalars"):
+        a = np.array(values, np.float64).reshape(-1)
+        if not a.size:
+            return PendingScalars(a)
+        with self.watch(what):
+            request = self.comm.Iallreduce(self.MPI.IN_PLACE, a, op=self._op(op))
+        return PendingScalars(a, lambda: self._wait(request, what))
+
+    def _op(self, op):
+        return {"sum": self.MPI.SUM, "max": self.MPI.MAX, "min": self.MPI.MIN}[op]
+
+    def _wait(self, request, what):
+        with self.watch(what):
+            request.Wait()
 
     def allgather(self, obj, what="an allgather"):
         with self.watch(what):

@@ -538,13 +538,16 @@ class Solver:
         net.share_with(self.net)
 
     def set_action_function(self, fn):
-        """``fn()`` -> SolverAction value, polled after every iteration and
-        test batch (Caffe's SetActionFunction; the CLI's signal handler)."""
+        """``fn()`` -> SolverAction value, polled once every iteration
+        (before its gradient sums; acted on after its update) and test
+        batch (Caffe's SetActionFunction; the CLI's signal handler)."""
         self.action_function = fn
 
     def _requested_action(self):
-        action = self.action_function() if self.action_function else SolverAction.NONE
-        return self.collectives.combine_action(action)
+        return self.collectives.combine_action(self._polled_action())
+
+    def _polled_action(self):
+        return self.action_function() if self.action_function else SolverAction.NONE
 
     def _update_smoothed_loss(self, loss):
         avg = self.param.average_loss
@@ -557,13 +560,14 @@ class Solver:
             self.smoothed_loss += (loss - self._losses[idx]) / avg
             self._losses[idx] = loss
 
-    def _check_finite_loss(self, loss):
+    def _check_finite_loss(self, loss, diverged):
         """Stop every rank at this iteration, before any weight changes, if
-        the loss of any rank is not finite (one small collective)."""
+        the loss of any rank is not finite (``diverged``: whether one is,
+        as the ranks agreed)."""
         mine = None
         if not math.isfinite(loss):
             mine = {"loss": fmt(loss), "layer": self.net.first_nonfinite_layer()}
-        bad = self.collectives.diverged_ranks(mine)
+        bad = self.collectives.diverged_ranks(mine, diverged)
         if not bad:
             return
         rank, info = bad[0]
@@ -652,9 +656,12 @@ class Solver:
                 loss /= iter_size
                 if captured is not None:
                     captured.ran_eagerly()
-            # finish first: no allreduce is left pending if the ranks stop here
+            # the ranks' agreement (divergence, signals) travels with the
+            # sums; finish first: no allreduce is left pending if they stop here
+            agreement = self.collectives.start_agreement(not math.isfinite(loss), self._polled_action())
             sync.finish(net)
-            self._check_finite_loss(loss)
+            diverged, request = agreement()
+            self._check_finite_loss(loss, diverged)
             self._update_smoothed_loss(loss)
             if display:
                 now = time.time()
@@ -669,7 +676,6 @@ class Solver:
                 self.apply_update()
             sync.after_update(net)
             self.iter += 1
-            request = self._requested_action()
             if (p.snapshot and self.iter % p.snapshot == 0) or SolverAction.snapshots(request):
                 self.snapshot()
             if SolverAction.stops(request):

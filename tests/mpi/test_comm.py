@@ -6,6 +6,7 @@ import sys
 import numpy as np
 import pytest
 
+from caffempi.common import SolverAction
 from caffempi.parallel.comm import SingleWorld, launched_by_mpi, mapped_files
 from caffempi.parallel.buckets import make_buckets
 from caffempi.parallel.sync import BucketedAllreduce
@@ -85,8 +86,9 @@ def test_single_process_sync_is_identity():
     assert col.split_test_iters(7) == 7
     assert col.combine_action(1) == 1
     assert col.gather_object({"a": 1}) == [{"a": 1}]
-    assert col.diverged_ranks(None) == []
-    assert col.diverged_ranks({"loss": "nan"}) == [(0, {"loss": "nan"})]
+    assert col.diverged_ranks(None, False) == []
+    assert col.diverged_ranks({"loss": "nan"}, True) == [(0, {"loss": "nan"})]
+    assert col.start_agreement(True, SolverAction.STOP)() == (True, SolverAction.STOP)
 
 
 @needs_mpi
