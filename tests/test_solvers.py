@@ -258,10 +258,10 @@ def _copy(sp):
                                   'type: "Adam" momentum: 0.9 momentum2: 0.999 delta: 1e-8'])
 def test_the_update_in_blocks_is_the_update_over_the_whole_buffers(rule, monkeypatch):
     """The update's steps run block by block over the flat buffers (in
-    cache on the CPU), each block in one param (its rate and decay one
-    value): blocks of 3 values (the 6 of the weight in two), with per-param
-    rates and decays and iter_size 2, give the bits of the steps over the
-    whole buffers."""
+    cache on the CPU), no block crossing a change of the params' rate or
+    decay multipliers (so each has one of each): blocks of 3 values (the 6
+    of the weight in two), with per-param rates and decays and iter_size 2,
+    give the bits of the steps over the whole buffers."""
     from caffempi.backend.cpu import blocks
     results = []
     for block_bytes in (blocks.ELEMENT_BLOCK_BYTES, 12):

@@ -49,9 +49,9 @@ def part(values, block):
     array or scalar where every param has the same) over ``block`` of the
     flat buffers: a 0-d array or scalar as it is; of a vector its slice, or,
     for a block with a start (the update's blocks on the CPU, none of
-    which crosses a param), its value there as a scalar: the same numbers
-    without a pass over the vector (and NumPy's scalar operands are faster
-    than broadcast ones)."""
+    which crosses a change of the values), its value there as a scalar:
+    the same numbers without a pass over the vector (and NumPy's scalar
+    operands are faster than broadcast ones)."""
     if not getattr(values, "ndim", 0):
         return values
     return values[block] if block.start is None else values[block.start]
@@ -365,6 +365,10 @@ class Solver:
             self._mults[name] = mults[0] if all(m == mults[0] for m in mults) else mults
         self._scaled = {}       # name -> (factor, the array of its products)
         self._scratch = xp.zeros_like(self._tmp) if self.uses_scratch else None
+        # where the update's blocks must begin: a param whose multipliers
+        # differ from the one's before it
+        mults = list(zip(self.net.param_lr_mults, self.net.param_decay_mults))
+        self._mult_starts = [off for p, off in enumerate(self.net.param_offsets) if p and mults[p] != mults[p - 1]]
 
     def scratch(self):
         """The second scratch buffer of the params' length of the rules
@@ -501,15 +505,15 @@ class Solver:
 
         The steps after clipping run block by block over the flat buffers
         (:func:`~caffempi.backend.kernels.flat_blocks`): on the CPU each
-        block lies in one param and stays in cache through all of them (its
-        rate and decay one value, not a vector read), as the steps one by one
-        over the whole buffers went to memory and back at every step
-        (CaffeNet's SGD update: about 17 passes over 244 MB); the rules are
-        elementwise, so the numbers are the same bits.  On the GPU one
-        block, the whole buffers."""
+        block lies in params of the same multipliers and stays in cache
+        through all of them (its rate and decay one value, not a vector
+        read), as the steps one by one over the whole buffers went to
+        memory and back at every step (CaffeNet's SGD update: about 17
+        passes over 244 MB); the rules are elementwise, so the numbers are
+        the same bits.  On the GPU one block, the whole buffers."""
         norm = self.clip_gradients()
         kernels.flat_blocks(self.xp, self.net.param_data.size, self.net.param_data.itemsize,
-                            lambda block: self._update_block(rate, block), starts=self.net.param_offsets)
+                            lambda block: self._update_block(rate, block), starts=self._mult_starts)
         return norm
 
     def _update_block(self, rate, block):
