@@ -18,11 +18,13 @@ ELEMENT_BLOCK_BYTES = 1 << 20
 CHANNEL_BLOCK_BYTES = 512 << 10
 
 
-def _for_blocks(count, per_item_bytes, limit, body):
+def _for_blocks(count, per_item_bytes, limit, body, starts=()):
     """body(block) for slices ``block`` of range(count) of at most ``limit``
-    bytes (at least one item), on the intra-op threads."""
+    bytes (at least one item), none crossing an offset in ``starts``, on
+    the intra-op threads."""
     step = max(1, limit // max(per_item_bytes, 1))
-    blocks = [slice(a, min(a + step, count)) for a in range(0, count, step)]
+    bounds = sorted({0, count, *(s for s in starts if 0 < s < count)})
+    blocks = [slice(a, min(a + step, end)) for start, end in zip(bounds, bounds[1:]) for a in range(start, end, step)]
     threads.for_chunks(len(blocks), lambda i: body(blocks[i]))
 
 
@@ -30,13 +32,7 @@ def for_element_blocks(size, itemsize, body, starts=()):
     """body(block) for slices ``block`` covering range(size) (a flat
     array's elements), on the intra-op threads; none crosses an offset in
     ``starts`` (where a block must begin: the params of a flat buffer)."""
-    if not starts:
-        _for_blocks(size, itemsize, ELEMENT_BLOCK_BYTES, body)
-        return
-    step = max(1, ELEMENT_BLOCK_BYTES // max(itemsize, 1))
-    bounds = sorted({0, size, *(s for s in starts if 0 < s < size)})
-    blocks = [slice(a, min(a + step, end)) for start, end in zip(bounds, bounds[1:]) for a in range(start, end, step)]
-    threads.for_chunks(len(blocks), lambda i: body(blocks[i]))
+    _for_blocks(size, itemsize, ELEMENT_BLOCK_BYTES, body, starts)
 
 
 def for_channel_blocks(shape, itemsize, body):
