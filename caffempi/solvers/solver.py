@@ -43,7 +43,6 @@ def loss_suffix(weight, value):
     return " (* %s = %s loss)" % (fmt(weight), fmt(f32(weight) * f32(value)))
 
 
-# -------------------------------------------------------------- solver files
 def part(values, block):
     """Per-param values (a flat vector over the params' elements, or a 0-d
     array or scalar where every param has the same) over ``block`` of the
@@ -57,6 +56,7 @@ def part(values, block):
     return values[block] if block.start is None else values[block.start]
 
 
+# -------------------------------------------------------------- solver files
 def read_solver(path):
     """Read a solver prototxt as Caffe's ReadSolverParamsFromTextFileOrDie:
     legacy solver_type upgraded, a missing snapshot_prefix set from the file

@@ -31,7 +31,8 @@ def _for_blocks(count, per_item_bytes, limit, body, starts=()):
 def for_element_blocks(size, itemsize, body, starts=()):
     """body(block) for slices ``block`` covering range(size) (a flat
     array's elements), on the intra-op threads; none crosses an offset in
-    ``starts`` (where a block must begin: the params of a flat buffer)."""
+    ``starts`` (where a block must begin: the solver's update begins one
+    where the params' multipliers change)."""
     _for_blocks(size, itemsize, ELEMENT_BLOCK_BYTES, body, starts)
 
 
