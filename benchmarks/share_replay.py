@@ -30,6 +30,7 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from caffempi.parallel.balance import ShareBalancer  # noqa: E402
+from caffempi.parallel.comm import PendingScalars  # noqa: E402
 
 
 class ReplayNet:
@@ -65,16 +66,16 @@ class ReplayNet:
 
 class ReplayWorld:
     """Rank 0 of a pair whose rank 1 runs at the measured speeds: its seconds
-    over its records since the last gather, as the balancer gathers its own."""
+    over its records since the last exchange, as the balancer sends its own."""
     rank, size = 0, 2
 
     def __init__(self):
         self.other = []
 
-    def allgather(self, mine, what=""):
+    def start_allreduce_scalars(self, values, op="sum", what=""):
         seconds, records = map(sum, zip(*self.other)) if self.other else (0.0, 1)
         self.other = []
-        return [mine, seconds / records]
+        return PendingScalars(np.array([values[0], seconds / records]))
 
     def waited_seconds(self):
         return 0.0
@@ -100,6 +101,7 @@ def replay(per_record, batch, mode, lookahead, change_s):
         shares = net.batch_shares or (batch, batch)
         clock.now += shares[0] * s0
         world.other.append((shares[1] * s1, shares[1]))
+        balancer.after_backward()
         balancer.after_update()
         seconds += max(shares[0] * s0, shares[1] * s1) + (change_s if last not in (None, shares) else 0.0)
         records += sum(shares)

@@ -12,6 +12,7 @@ import caffempi.layer_types.data  # noqa: F401  (registers the data layers)
 from caffempi import CaffeError, Net, TRAIN
 from caffempi.data.reader import shard_positions
 from caffempi.parallel.balance import ShareBalancer, parse_balance, proportional_shares
+from caffempi.parallel.comm import PendingScalars
 from caffempi.proto import caffe_pb2
 
 LOSS = {
@@ -148,31 +149,31 @@ def test_proportional_shares():
 
 
 class PairWorld:
-    """Rank 0 of two; the other rank's step times come from ``other``."""
+    """Rank 0 of two; the other rank's seconds a record come from ``other``
+    when an exchange starts; ``read`` counts the exchanges waited for."""
     rank, size = 0, 2
 
     def __init__(self, other):
         self.other = other
-        self.gathers = 0
+        self.exchanges = self.read = 0
         self.waited = 0.0
 
     def waited_seconds(self):
         return self.waited
 
-    def allgather(self, obj, what=""):
-        self.gathers += 1
-        return [obj, self.other(self.gathers)]
+    def start_allreduce_scalars(self, values, op="sum", what=""):
+        assert op == "sum" and values[1] == 0.0        # rank 1's slot is rank 1's to fill
+        self.exchanges += 1
+        return PendingScalars(np.array([values[0], self.other(self.exchanges)]), self._wait)
+
+    def _wait(self):
+        self.read += 1
 
 
 class SimulatedClock:
-    """Seconds that pass as this rank computes its share at ``per_record``."""
-
-    def __init__(self, net, per_record):
-        self.net, self.per_record, self.now = net, per_record, 0.0
+    now = 0.0
 
     def __call__(self):
-        shares = self.net.batch_shares
-        self.now += self.per_record * (shares[0] if shares else 6)
         return self.now
 
 
@@ -183,34 +184,41 @@ def simulated_pair(mode):
     net.layers[0].reset(np.zeros((12, 2, 3, 3), np.float32), np.zeros(12, np.float32))
     slow = {"per_record": 0.003}
     world = PairWorld(lambda _: slow["per_record"])
-    balancer = ShareBalancer(mode, clock=SimulatedClock(net, 0.001))
+    clock = SimulatedClock()
+    balancer = ShareBalancer(mode, clock=clock)
     balancer.attach(world, net)
 
-    def iterate(n, waited=0.0, worked_after_backward=0.0):
-        """``n`` iterations; each waits ``waited`` seconds in collectives
-        and works ``worked_after_backward`` more after its backward."""
+    def iterate(n, waited=0.0, worked_after_backward=0.0, between=0.0):
+        """``n`` iterations: rank 0's forward and backward take 1 ms a
+        record of its share and wait ``waited`` seconds in collectives,
+        then it works ``worked_after_backward`` more to its update's end,
+        and ``between`` more before the next (a test pass, a snapshot)."""
         for _ in range(n):
             balancer.before_iteration()
             net.forward_backward()
-            balancer.clock.now += waited + worked_after_backward
+            shares = net.batch_shares
+            clock.now += 0.001 * (shares[0] if shares else 6) + waited
             world.waited += waited
+            balancer.after_backward()
+            clock.now += worked_after_backward
             balancer.after_update()
+            clock.now += between
     return net, slow, world, balancer, iterate
 
 
 def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
     net, slow, world, balancer, iterate = simulated_pair("auto:0.1")
-    iterate(5)
-    assert net.batch_shares is None and world.gathers == 0
-    iterate(1)                             # the first gather sets the period: 0.1 s / 18 ms = 6
-    assert world.gathers == 1 and net.batch_shares is None and balancer.state()["period"] == 6
+    iterate(5)                             # the first exchange starts at the fifth backward's end
+    assert net.batch_shares is None and world.exchanges == 1 and world.read == 0
+    iterate(1)                             # read at the next iteration, it sets the period: 0.1 s / 18 ms = 6
+    assert world.read == 1 and net.batch_shares is None and balancer.state()["period"] == 6
     iterate(6)                             # 1 ms a record against 3: 9 and 3
     assert net.batch_shares == (9, 3) and net.blobs["data"].shape[0] == 9
     saved = balancer.state()
     slow["per_record"] = 0.00224          # 8 and 4 would gain 0.4% of the step, under 2%: no change
     assert proportional_shares(12, [0.001, 0.00224]) == (8, 4)
     iterate(12)
-    assert net.batch_shares == (9, 3) and world.gathers > 2
+    assert net.batch_shares == (9, 3) and world.exchanges > 2
     slow["per_record"] = 0.001            # as fast again: equal shares, Caffe's rule
     iterate(12)
     assert net.batch_shares is None
@@ -223,26 +231,29 @@ def test_the_balancer_follows_speeds_with_hysteresis_and_resumes():
 
 
 def test_auto_decides_every_iteration_from_smoothed_speeds_and_logs_at_most_once_a_while(caplog):
-    """Plain ``auto`` gathers at every iteration after the warm-up and moves
-    the shares at the next one, from each rank's seconds a record smoothed
-    (half the last iteration's, half the estimate before); the log's share
-    lines are spaced by ``log_every``, the last change kept for the first
-    decision after it."""
+    """Plain ``auto`` starts an exchange at the end of every backward
+    after the warm-up, reads it at the next iteration's start and moves
+    the shares there, from each rank's seconds a record smoothed (half the
+    last exchange's, half the estimate before); the log's share lines are
+    spaced by ``log_every``, the last change kept for the first decision
+    after it.  Detaching completes the exchange in flight."""
     net, slow, world, balancer, iterate = simulated_pair("auto")
     assert balancer.smoothing == 0.5 and ShareBalancer("auto:0.1").smoothing == 1.0
     balancer.log_every = 3600.0
     with caplog.at_level("INFO"):
-        iterate(5)
-        assert world.gathers == 0 and net.batch_shares is None
-        iterate(1)                         # the first gather decides: 1 ms a record against 3
-        assert world.gathers == 1 and net.batch_shares == (9, 3)
+        iterate(5)                         # the first exchange starts; nothing waits for it yet
+        assert world.exchanges == 1 and world.read == 0 and net.batch_shares is None
+        iterate(1)                         # read and decided: 1 ms a record against 3
+        assert world.exchanges == 2 and world.read == 1 and net.batch_shares == (9, 3)
         slow["per_record"] = 0.001
+        iterate(1)                         # the exchange read here was rank 1's step at 3 ms
+        assert net.batch_shares == (9, 3)
         iterate(1)                         # rank 1 estimated at 2 ms, then 1.5
-        assert world.gathers == 2 and net.batch_shares == (8, 4)
+        assert world.exchanges == 4 and net.batch_shares == (8, 4)
         iterate(1)
-        assert world.gathers == 3 and net.batch_shares == (7, 5)
+        assert world.exchanges == 5 and net.batch_shares == (7, 5)
         iterate(2)                         # 1.25 ms: 7 and 5 still; 1.125 ms: equal again
-        assert world.gathers == 5 and net.batch_shares is None
+        assert world.exchanges == 7 and world.read == 6 and net.batch_shares is None
         lines = [r.getMessage() for r in caplog.records if "step ms" in r.getMessage()]
         assert lines == ["Batch shares: 9 3 of 12 (step ms by rank: 6.0 18.0)"]
         balancer.log_every = 0.0
@@ -251,14 +262,19 @@ def test_auto_decides_every_iteration_from_smoothed_speeds_and_logs_at_most_once
         assert lines[1:] == ["Batch shares: 6 6 of 12 (step ms by rank: 7.0 5.6)"]
         iterate(1)
         assert len([r for r in caplog.records if "step ms" in r.getMessage()]) == 2
+    assert world.read == world.exchanges - 1
+    balancer.detach()
+    assert world.read == world.exchanges
 
 
 def test_a_rank_is_measured_by_its_work_to_the_update_not_its_waits():
-    """The seconds from an iteration's start to its update, less those the
-    rank waited in collectives: a wait for the slower rank does not make
-    the faster one look slow, and work after backward counts."""
+    """A step's seconds from an iteration's start to its backward's end and
+    from there to the update's end, less those the rank waited in
+    collectives: a wait for the slower rank does not make the faster one
+    look slow, work after backward counts, and what runs between
+    iterations does not."""
     net, slow, world, balancer, iterate = simulated_pair("auto")
-    iterate(6, waited=0.012)               # 6 ms of work and 12 of waiting: 1 ms a record against 3
+    iterate(6, waited=0.012, between=0.05)  # 6 ms of work and 12 of waiting: 1 ms a record against 3
     assert net.batch_shares == (9, 3)
     slow["per_record"] = 0.002
     iterate(8, waited=0.0, worked_after_backward=0.006)   # (6 + 6) / 6: as slow as rank 1

@@ -9,14 +9,21 @@ of the same records, only the work is split by speed.  Nets whose layers mix
 samples (BatchNorm on batch statistics, a loss normalised by this rank's own
 count of valid labels) keep equal shares, and say why once.
 
-``auto`` measures the seconds each rank works in each iteration: from its
-start to the end of the weight update, less the seconds the rank waited in
-collectives (``World.waited_seconds``), so that work after backward that
-does not shrink with the share (the sufficient factors' products over
-every rank's rows, the update) weighs on the slower rank as it does on the
-step.  After ``warmup``
-iterations, the ranks all-gather their seconds a record at the start of
-every iteration: the last iteration's.  Every rank smooths the gathered
+``auto`` measures the seconds each rank works in each step: from an
+iteration's start to the end of its backward, plus the last iteration's
+from there to the end of its weight update, less the seconds the rank
+waited in collectives (``World.waited_seconds``), so that work after
+backward that does not shrink with the share (the sufficient factors'
+products over every rank's rows, the update) weighs on the slower rank as
+it does on the step, and what runs between iterations (tests, snapshots)
+does not.  After ``warmup`` iterations, at the end of every iteration's
+backward the ranks start an exchange of their seconds a record since the
+last (one non-blocking sum of a vector with a slot a rank), and read it
+at the next iteration's start: every rank has started it before the
+sums, so reading it waits for no one, and the sums stay the step's one
+point where a rank waits for the others (an exchange at the start of an
+iteration, blocking, was a second one: it cost the step the ranks' skew
+over the update).  Every rank smooths the exchanged
 times the same way (``smoothing``: half the last iteration's, half the
 estimate before) and derives the same new shares from them: counts
 proportional to speed, in whole records (largest remainders), none below
@@ -28,7 +35,7 @@ gained almost nothing over equal ones, and the half-and-half estimate
 beat the last step alone in 38 of 42 measured series, by 0.5 points on
 average (docs/design/parallel.md).  ``auto:SECONDS`` decides instead
 every period of about SECONDS of steps (at least ``shortest``
-iterations; the first gather only sets the period) from its throughput,
+iterations; the first exchange only sets the period) from its throughput,
 the seconds over the records of the whole period, which holds a CPU
 quota's stalls.
 New shares are announced to the net as many iterations ahead as its data
@@ -100,15 +107,15 @@ def proportional_shares(total, seconds_per_record, floor=1):
 
 class ShareBalancer:
     """The batch shares of one training net (composed into the gradient
-    sync, which calls :meth:`attach`, :meth:`before_iteration` and
-    :meth:`after_update` and keeps :meth:`state` in its own).  ``clock``
-    gives seconds, and ``waited`` the seconds this rank has waited in
-    collectives so far (default: the world's ``waited_seconds``); a test
-    may simulate both, on one time line."""
+    sync, which calls :meth:`attach`, :meth:`before_iteration`,
+    :meth:`after_update` and :meth:`detach` and keeps :meth:`state` in
+    its own).  ``clock`` gives seconds, and ``waited`` the seconds this
+    rank has waited in collectives so far (default: the world's
+    ``waited_seconds``); a test may simulate both, on one time line."""
 
     #: the share of the step a change must save
     gain = 0.02
-    #: iterations measured before the first gather
+    #: iterations measured before the first exchange
     warmup = 5
     #: the fewest iterations a period of ``auto:SECONDS``
     shortest = 3
@@ -132,12 +139,15 @@ class ShareBalancer:
         self.shares = None
         self.batch = None
         self._why = None
-        self._count = 0              # iterations begun since the last decision
+        self._count = 0              # iterations begun since the last exchange
         self._period = self.warmup
         self._calibrated = self.interval is None     # the period is set (from measured steps, if periodic)
         self._window = []            # (seconds worked, records) of the iterations since the last decision
         self._estimate = None        # every rank's smoothed seconds a record at the last decision
         self._start = None           # (clock, seconds waited) at the start of this iteration
+        self._backward_end = None    # (clock, seconds waited) at the end of this iteration's backward
+        self._after_backward = None  # seconds the last iteration worked from its backward's end to its update's
+        self._exchange = None        # the ranks' seconds a record, in flight since the last backward's end
         self._logged = None          # time.monotonic() at the last share line
         self._unlogged = None        # the step ms by rank before the last change, if not yet logged
 
@@ -175,35 +185,65 @@ class ShareBalancer:
         return "%s of %d" % (" ".join(map(str, shares)), sum(shares))
 
     def before_iteration(self, iter_size=1):
-        """At the start of an iteration: on a period's last, decide
-        (collective; auto only).  New shares are announced to the net a
-        whole number of iterations ahead, at least its readers' lookahead
-        (``iter_size`` passes an iteration), so they take effect without a
-        reader restart."""
+        """At the start of an iteration: decide from the exchange started
+        at the last one's backward end (collective; auto only).  New shares
+        are announced to the net a whole number of iterations ahead, at
+        least its readers' lookahead (``iter_size`` passes an iteration),
+        so they take effect without a reader restart."""
         if self.net is None:
             return
-        if self.fixed is None and self._count >= self._period:
-            self._decide(iter_size)
+        if self._exchange is not None:
+            per_record, self._exchange = self._exchange.result(), None
+            self._decide(list(per_record), iter_size)
         self._count += 1
-        self._start = (self.clock(), self._waited())
+        self._start = self._mark()
 
-    def after_update(self):
-        """The iteration's weights are updated: the seconds it worked, not
-        waiting, and the records of this rank's share."""
+    def after_backward(self):
+        """The iteration's last backward is done: its work so far and the
+        last iteration's after its backward are one step's; on a period's
+        last, start the exchange (collective; auto only)."""
         if self.net is None or self._start is None:
             return
-        (start, waited), shares = self._start, self.net.batch_shares
-        worked = self.clock() - start - (self._waited() - waited)
-        self._window.append((worked, shares[self.world.rank] if shares else self.batch))
-        self._start = None
+        self._backward_end = self._mark()
+        to_backward_end, self._start = _worked(self._start, self._backward_end), None
+        if self._after_backward is not None:
+            shares = self.net.batch_shares
+            self._window.append((to_backward_end + self._after_backward,
+                                 shares[self.world.rank] if shares else self.batch))
+        if self.fixed is None and self._count >= self._period:
+            self._exchange = self._start_exchange()
+
+    def after_update(self):
+        """The iteration's weights are updated: the seconds it worked after
+        its backward, not waiting."""
+        if self.net is None or self._backward_end is None:
+            return
+        self._after_backward = _worked(self._backward_end, self._mark())
+        self._backward_end = None
+
+    def detach(self):
+        """Complete an exchange in flight (collective: every rank started
+        it), as MPI wants no request left at the end."""
+        if self._exchange is not None:
+            self._exchange.result()
+            self._exchange = None
+
+    def _mark(self):
+        return self.clock(), self._waited()
 
     def _waited(self):
         return (self.waited or self.world.waited_seconds)()
 
-    def _decide(self, iter_size):
-        mine = sum(t for t, _ in self._window) / sum(n for _, n in self._window) if self._window else 0.0
-        per_record = self.world.allgather(mine, "the ranks' step times for the batch shares")
+    def _start_exchange(self):
+        """Every rank's seconds a record over the iterations since the last
+        exchange (0: none measured), summed into its slot, not waited for."""
+        mine = [0.0] * self.world.size
+        if self._window:
+            mine[self.world.rank] = sum(t for t, _ in self._window) / sum(n for _, n in self._window)
         self._window, self._count = [], 0
+        return self.world.start_allreduce_scalars(mine, "sum", "the ranks' step times for the batch shares")
+
+    def _decide(self, per_record, iter_size):
         current = self.shares or (self.batch,) * self.world.size
         if self.world.rank == 0:
             self._log_shares()
@@ -252,6 +292,7 @@ class ShareBalancer:
     def load_state(self, state):
         if self.net is None or not state:
             return
+        self.detach()
         self.net.set_batch_shares(_tuple(state["shares"]))
         for ahead, shares in state["announced"]:
             self.net.set_batch_shares(_tuple(shares), ahead)
@@ -259,6 +300,11 @@ class ShareBalancer:
         self._count, self._period = int(state["count"]), int(state["period"])
         self._calibrated = bool(state["calibrated"])
         self._window, self._estimate = [], None
+
+
+def _worked(since, until):
+    """Seconds between two (clock, seconds waited) marks, less the waits."""
+    return (until[0] - since[0]) - (until[1] - since[1])
 
 
 def _json(shares):

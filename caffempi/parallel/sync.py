@@ -321,6 +321,8 @@ class BucketedAllreduce(GradientSync):
             self.net.remove_backward_hook(self.on_layer_backward)
         for plugin in self.plugins:
             plugin.detach()
+        if self.balancer is not None:
+            self.balancer.detach()
         self._hooked = False
         self.net = None
         self.buckets = []
@@ -398,6 +400,8 @@ class BucketedAllreduce(GradientSync):
 
     def finish(self, net):
         """Wait for the sums (means); returns the exposed seconds."""
+        if self.balancer is not None:
+            self.balancer.after_backward()
         t0 = time.perf_counter()
         if self.active:
             # the plug-ins' work (the factor GEMMs) runs while the buckets

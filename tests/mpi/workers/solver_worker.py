@@ -68,8 +68,8 @@ layer { name: "data" type: "HDF5Data" top: "data" top: "label" include { phase: 
 
 
 def simulate_speeds(balancer, rank, slow_rank, interval):
-    """The balancer's clock: the seconds this rank's share takes at 1 ms a
-    record (3 ms on ``slow_rank``), and no waiting on that clock, so its
+    """The balancer's clock: each reading is one more share's work at 1 ms
+    a record (3 ms on ``slow_rank``), and no waiting on that clock, so its
     decisions are the same every run."""
     per_record = 0.003 if rank == slow_rank else 0.001
     now = [0.0]
