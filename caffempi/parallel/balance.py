@@ -159,6 +159,7 @@ class ShareBalancer:
         """Meet the net (on every rank; logs on rank 0 why shares stay equal
         where they must)."""
         self.world, self.net = world, None
+        self._start = self._backward_end = self._after_backward = None     # no step half-measured on another net
         if self.mode == "off" or world.size < 2:
             return
         batch, why = net.shareable_batch()
