@@ -306,7 +306,11 @@ def test_the_balancer_keeps_equal_shares_where_it_must(caplog):
         ShareBalancer("9:3").attach(world, net)
     with pytest.raises(CaffeError, match="give 2 counts summing to 12"):
         ShareBalancer("9:4").attach(world, mlp(6, shard=(0, 2)))
-    fixed = ShareBalancer("9:3")
+    readings = []
+    fixed = ShareBalancer("9:3", clock=lambda: readings.append(1) or 0.0)
     fixed.attach(world, mlp(6, shard=(0, 2)))
     fixed.before_iteration()
+    fixed.after_backward()
+    fixed.after_update()
     assert fixed.net.batch_shares == (9, 3)
+    assert not readings                    # fixed shares measure nothing, keep nothing

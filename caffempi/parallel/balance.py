@@ -197,7 +197,8 @@ class ShareBalancer:
             per_record, self._exchange = self._exchange.result(), None
             self._decide(list(per_record), iter_size)
         self._count += 1
-        self._start = self._mark()
+        if self.fixed is None:     # fixed shares need no measures: none kept
+            self._start = self._mark()
 
     def after_backward(self):
         """The iteration's last backward is done: its work so far and the
@@ -211,7 +212,7 @@ class ShareBalancer:
             shares = self.net.batch_shares
             self._window.append((to_backward_end + self._after_backward,
                                  shares[self.world.rank] if shares else self.batch))
-        if self.fixed is None and self._count >= self._period:
+        if self._count >= self._period:
             self._exchange = self._start_exchange()
 
     def after_update(self):
