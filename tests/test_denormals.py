@@ -2,7 +2,6 @@
 default, CAFFEMPI_FTZ=0 turns it off): values that would be denormal come out
 0, and a step whose values underflow is not slower than a normal one."""
 import os
-import statistics
 import subprocess
 import sys
 import threading
@@ -108,22 +107,24 @@ def test_caffempi_ftz_0_leaves_denormals_alone():
 
 def test_a_step_whose_values_underflow_is_not_slower_than_a_normal_one():
     """Without flushing, x86 CPUs that take microcode assists on denormals
-    ran such a step 20-45x slower; 2x leaves room for this shared host's noise."""
-    def step_ms(scale):
-        net = make_net(scale)
-        times = []
-        for _ in range(7):
-            t = time.perf_counter()
-            net.forward()
-            net.backward()
-            times.append(time.perf_counter() - t)
-        return 1e3 * statistics.median(times), net.params["ip2"][0].diff.view(np.uint32).any()
+    ran such a step 20-45x slower; 2x leaves room for this shared host's
+    noise.  The two nets' steps alternate and the fastest of each is
+    compared: a neighbour's load only ever adds time, and alternating
+    spreads it over both (the whole suite runs beside the Open MPI one)."""
+    def step_seconds(net):
+        t = time.perf_counter()
+        net.forward()
+        net.backward()
+        return time.perf_counter() - t
 
     def run():
-        normal, _ = step_ms(np.float32(1))
-        tiny, grad_nonzero = step_ms(TINY)
-        normal_again, _ = step_ms(np.float32(1))
-        return min(normal, normal_again), tiny, grad_nonzero
+        nets = {"normal": make_net(np.float32(1)), "tiny": make_net(TINY)}
+        times = {name: [] for name in nets}
+        for _ in range(9):
+            for name, net in nets.items():
+                times[name].append(step_seconds(net))
+        return (1e3 * min(times["normal"]), 1e3 * min(times["tiny"]),
+                nets["tiny"].params["ip2"][0].diff.view(np.uint32).any())
     normal, tiny, grad_nonzero = in_thread(run)
     assert not grad_nonzero           # every product underflowed
     assert tiny < 2 * normal, (tiny, normal)
